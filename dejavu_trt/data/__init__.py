@@ -1,0 +1,1 @@
+"""Corpora and their deterministic split into calibration / validation / test windows."""
