@@ -10,6 +10,7 @@ from .app import app
 # Importing a module registers its commands on `app`.
 from . import models as _models  # noqa: F401,E402
 from . import foundation as _foundation  # noqa: F401,E402
+from . import evaluate as _evaluate  # noqa: F401,E402
 from . import compiler as _compiler  # noqa: F401,E402
 from . import runtime as _runtime  # noqa: F401,E402
 

@@ -1,0 +1,2 @@
+"""Commands of this stage group are registered here (see cli/app.py)."""
+from .app import app  # noqa: F401
