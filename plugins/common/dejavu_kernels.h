@@ -1,0 +1,92 @@
+/*
+ * dejavu_kernels.h - C ABI of libdejavu_kernels (op contract v1, docs/ops.md).
+ *
+ * Rules shared by every entry point:
+ *  - All pointers are device pointers. Weights, activations and caches are row-major and 16-byte aligned;
+ *    d and every row length must be a multiple of 8 elements (16-byte vector loads).
+ *  - dtype is DJV_FLOAT16 or DJV_BFLOAT16 for every floating tensor of a call; index tensors are int32.
+ *  - Calls only enqueue work on `stream`: no allocation, no host synchronisation, CUDA-graph capturable.
+ *  - `workspace` must hold at least the bytes the matching *_workspace_size() returns, and must be
+ *    ZERO-FILLED before its first use. The kernels return the small counter region they use to zero
+ *    before they finish, so a workspace reserved for one op stays valid across calls. A caller that
+ *    shares scratch memory between ops (TensorRT) must call djv_workspace_prepare() first.
+ *  - Return value: 0 on success, a negative DJV_E* on a bad argument, or a positive cudaError_t from
+ *    the launch.
+ */
+#ifndef DEJAVU_KERNELS_H
+#define DEJAVU_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define DJV_API __declspec(dllexport)
+#else
+#define DJV_API __attribute__((visibility("default")))
+#endif
+
+#define DJV_ABI_VERSION 1
+
+enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
+enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
+enum djv_kv_policy { DJV_KV_DENSE = 0, DJV_KV_ACTIVE = 1 };
+
+enum djv_status {
+    DJV_OK = 0,
+    DJV_E_SHAPE = -1,       /* a size is out of range or not a multiple it must be */
+    DJV_E_DTYPE = -2,       /* unknown dtype / activation / policy */
+    DJV_E_WORKSPACE = -3,   /* workspace NULL or smaller than required */
+    DJV_E_POINTER = -4,     /* a required pointer is NULL or misaligned */
+};
+
+DJV_API int djv_abi_version(void);
+DJV_API const char* djv_status_string(int status);
+
+/* Zero the counter region of a workspace (one cudaMemsetAsync of a few hundred bytes at its start). */
+DJV_API int djv_workspace_prepare(void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+/* ---- DejaVuLookaheadPredictor -------------------------------------------------------------
+ * h [B,d]; mlp_a [d,r_m]; mlp_b [r_m,Nb]; head_a [d,r_h]; head_b [r_h,H] -> mlp_idx [K], head_idx [Kh]
+ * (ascending, ties toward the lower index). head_a/head_b/head_idx may be NULL (MLP part only).
+ * Limits: B <= 16, r_m and r_h <= 2048 and even, Nb <= 65536, H <= 65536, Nb and H even.
+ * mlp_scores (optional, may be NULL): [Nb] float32 batch-max scores, for tests/debugging. */
+DJV_API size_t djv_predictor_workspace_size(int B, int d, int r_m, int Nb, int r_h, int H);
+DJV_API int djv_lookahead_predictor(const void* h, const void* mlp_a, const void* mlp_b, const void* head_a,
+                                    const void* head_b, int32_t* mlp_idx, int32_t* head_idx, float* mlp_scores,
+                                    int B, int d, int r_m, int Nb, int K, int r_h, int H, int Kh, float eps,
+                                    int dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+/* ---- DejaVuSparseMLP ----------------------------------------------------------------------
+ * x [B,d], idx [K] int32 (block indices, ascending), w_up [N,d], w_gate [N,d] (silu_glu only),
+ * b_up [N] (relu/gelu, may be NULL), w_down_t [N,d], b_down [d] (relu/gelu, may be NULL) -> y [B,d].
+ * Limits: 1 <= B <= 16, d % 8 == 0, 1 <= K, K*block_size <= N. */
+DJV_API size_t djv_sparse_mlp_workspace_size(int B, int d, int N, int K, int block_size, int activation);
+DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w_up, const void* b_up,
+                           const void* w_down_t, const void* b_down, void* y, int B, int d, int N, int K,
+                           int block_size, int activation, int dtype, void* workspace, size_t workspace_bytes,
+                           cudaStream_t stream);
+
+/* ---- DejaVuHeadSparseAttention (decode step) ----------------------------------------------
+ * x [B,d], head_idx [Kh] int32 ascending, position [B] int32 (0 <= position < T),
+ * w_q [H*hd,d], w_k/w_v [Hkv*hd,d], w_o_t [H*hd,d], biases b_q [H*hd], b_k/b_v [Hkv*hd], b_o [d]
+ * (each may be NULL = zero), rope_cos/rope_sin [T,hd/2] (used when rotary != 0),
+ * k_cache/v_cache [B,Hkv,T,hd] updated in place at slot position[b] -> y [B,d].
+ * Limits: 1 <= B <= 16, d % 8 == 0, hd % 16 == 0 and hd <= 256, H % Hkv == 0. */
+DJV_API size_t djv_head_attention_workspace_size(int B, int d, int H, int Hkv, int hd, int Kh, int T, int kv_policy);
+DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, const int32_t* position,
+                                      const void* w_q, const void* w_k, const void* w_v, const void* w_o_t,
+                                      const void* b_q, const void* b_k, const void* b_v, const void* b_o,
+                                      const void* rope_cos, const void* rope_sin, void* k_cache, void* v_cache,
+                                      void* y, int B, int d, int H, int Hkv, int hd, int Kh, int T, int rotary,
+                                      float scale, int kv_policy, int dtype, void* workspace,
+                                      size_t workspace_bytes, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DEJAVU_KERNELS_H */

@@ -1,0 +1,170 @@
+// DejaVuSparseMLP kernels (docs/ops.md): two launches.
+//  1. up_kernel: 16 active neurons per CTA (x optional split of d over CTAs); up (and gate) dot products on
+//     the tensor cores, bias + activation fused, writes the activations a[16][Mpad] in the I/O dtype.
+//  2. djv::down_kernel: streams the same neurons' w_down_t rows, partial sums per column slice, the last
+//     CTA of a slice adds them in a fixed order plus b_down.
+// Every active weight byte is loaded once (16-byte, L1-bypassing loads); inactive rows are never touched.
+#include "dejavu_kernels.h"
+#include "djv_device.cuh"
+
+namespace {
+using namespace djv;
+
+template <int ACT> __device__ __forceinline__ float activate(float u) {
+    if (ACT == DJV_RELU) return fmaxf(u, 0.f);
+    return 0.5f * u * (1.f + erff(u * 0.70710678118654752f));  // exact (erf) GELU
+}
+
+constexpr int kUpThreads = 256;
+
+template <typename T, int NT, int ACT>
+__global__ void __launch_bounds__(kUpThreads) mlp_up_kernel(const T* __restrict__ x, const int32_t* __restrict__ idx,
+                                                            int bs, int M, int Mpad, const T* __restrict__ w_gate,
+                                                            const T* __restrict__ w_up, const T* __restrict__ b_up,
+                                                            T* __restrict__ act, float* __restrict__ part,
+                                                            unsigned* __restrict__ ctr, int B, int d, int ksplit) {
+    constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : 1;
+    constexpr int NW = kUpThreads / 32;
+    __shared__ float red[NW * NMAT * 256];
+    const int lane = threadIdx.x & 31, g = lane >> 2, wid = threadIdx.x >> 5;
+    const int tile = blockIdx.x, ks = blockIdx.y;
+    const int m0 = tile * 16 + g, m1 = m0 + 8;
+    const size_t row0 = (size_t)expand_row(idx, m0 < M ? m0 : M - 1, bs);
+    const size_t row1 = (size_t)expand_row(idx, m1 < M ? m1 : M - 1, bs);
+    const T* mats[NMAT];
+    if (NMAT == 2) { mats[0] = w_gate; mats[NMAT - 1] = w_up; } else { mats[0] = w_up; }
+    const T* r0[NMAT];
+    const T* r1[NMAT];
+#pragma unroll
+    for (int m = 0; m < NMAT; ++m) { r0[m] = mats[m] + row0 * d; r1[m] = mats[m] + row1 * d; }
+
+    const int chunk = ksplit_chunk(d, ksplit);
+    const int kb = ks * chunk, ke = min(d, kb + chunk);
+    float acc[NMAT][NT][4] = {};
+    tile_dot<T, NT, NMAT, 4>(r0, r1, x, B, d, kb, ke, wid, NW, acc);
+    cta_reduce_tile<NT, NMAT>(acc, red, NW);  // red[m*256 + row*16 + batch]
+
+    if (ksplit > 1) {
+        float* my = part + ((size_t)tile * ksplit + ks) * NMAT * 256;
+        for (int i = threadIdx.x; i < NMAT * 256; i += blockDim.x) my[i] = red[i];
+        if (!last_arrival(ctr + tile, (unsigned)ksplit)) return;
+        for (int i = threadIdx.x; i < NMAT * 256; i += blockDim.x) {
+            float s = 0.f;
+            for (int k = 0; k < ksplit; ++k) s += __ldcg(part + ((size_t)tile * ksplit + k) * NMAT * 256 + i);
+            red[i] = s;
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        const int row = i >> 4, b = i & 15, m = tile * 16 + row;
+        float v = 0.f;  // padded neurons and batch rows: exactly zero so they contribute nothing
+        if (m < M && b < B) {
+            if (ACT == DJV_SILU_GLU) {
+                const float gt = red[i], up = red[256 + i];
+                v = gt / (1.f + __expf(-gt)) * up;
+            } else {
+                const float bias = b_up ? to_f(b_up[expand_row(idx, m, bs)]) : 0.f;
+                v = activate<ACT>(red[i] + bias);
+            }
+        }
+        act[(size_t)b * Mpad + m] = from_f<T>(v);
+    }
+}
+
+struct MlpPlan {
+    int M, Mpad, tiles, ksplit, S;
+    size_t off_act, off_up, off_down, total;
+};
+
+MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
+    MlpPlan p;
+    p.M = K * bs;
+    p.Mpad = (int)align_up((size_t)p.M, 16);
+    p.tiles = p.Mpad / 16;
+    p.ksplit = tile_ksplit(p.tiles, d);
+    p.S = down_splits(d, p.Mpad);
+    const int nmat = act == DJV_SILU_GLU ? 2 : 1;
+    size_t o = kCounterBytes;
+    p.off_act = o; o = align_up(o + (size_t)16 * p.Mpad * esize, 256);
+    p.off_up = o; o = align_up(o + (p.ksplit > 1 ? (size_t)p.tiles * p.ksplit * nmat * 256 * 4 : 0), 256);
+    p.off_down = o; o = align_up(o + (p.S > 1 ? (size_t)p.S * B * d * 4 : 0), 256);
+    p.total = o;
+    return p;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T, int NT, int ACT>
+cudaError_t run_up(const MlpPlan& p, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu, const T* bu,
+                   T* act, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
+    dim3 grid(p.tiles, p.ksplit);
+    mlp_up_kernel<T, NT, ACT><<<grid, kUpThreads, 0, st>>>(x, idx, bs, p.M, p.Mpad, wg, wu, bu, act, part, ctr, B, d,
+                                                            p.ksplit);
+    return cudaGetLastError();
+}
+
+template <typename T>
+int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w_up, const void* b_up,
+            const void* w_down_t, const void* b_down, void* y, int B, int d, int K, int bs, int act, void* ws,
+            cudaStream_t st) {
+    const MlpPlan p = plan_mlp(B, d, K, bs, act, sizeof(T));
+    char* base = static_cast<char*>(ws);
+    unsigned* ctr_up = reinterpret_cast<unsigned*>(base);
+    unsigned* ctr_down = ctr_up + p.tiles;
+    T* a = reinterpret_cast<T*>(base + p.off_act);
+    float* pu = reinterpret_cast<float*>(base + p.off_up);
+    float* pd = reinterpret_cast<float*>(base + p.off_down);
+    const T* xt = static_cast<const T*>(x);
+    const T* wg = static_cast<const T*>(w_gate);
+    const T* wu = static_cast<const T*>(w_up);
+    const T* bu = static_cast<const T*>(b_up);
+    cudaError_t e;
+    const bool two = B > 8;
+    switch (act) {
+    case DJV_RELU: e = two ? run_up<T, 2, DJV_RELU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st)
+                           : run_up<T, 1, DJV_RELU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
+    case DJV_GELU: e = two ? run_up<T, 2, DJV_GELU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st)
+                           : run_up<T, 1, DJV_GELU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
+    default: e = two ? run_up<T, 2, DJV_SILU_GLU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st)
+                     : run_up<T, 1, DJV_SILU_GLU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
+    }
+    if (e != cudaSuccess) return (int)e;
+    const T* bd = act == DJV_SILU_GLU ? nullptr : static_cast<const T*>(b_down);
+    e = launch_down<T>(a, p.Mpad, idx, bs, p.M, static_cast<const T*>(w_down_t), bd, static_cast<T*>(y), pd, ctr_down,
+                       B, d, st);
+    return (int)e;
+}
+
+}  // namespace
+
+extern "C" {
+
+DJV_API size_t djv_sparse_mlp_workspace_size(int B, int d, int N, int K, int block_size, int activation) {
+    (void)N;
+    if (B < 1 || d < 8 || K < 1 || block_size < 1) return 0;
+    return plan_mlp(B, d, K, block_size, activation, 2).total;
+}
+
+DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w_up, const void* b_up,
+                           const void* w_down_t, const void* b_down, void* y, int B, int d, int N, int K,
+                           int block_size, int activation, int dtype, void* workspace, size_t workspace_bytes,
+                           cudaStream_t stream) {
+    if (B < 1 || B > 16 || d < 8 || d % 8 || K < 1 || block_size < 1 || (long long)K * block_size > N)
+        return DJV_E_SHAPE;
+    if (activation < DJV_RELU || activation > DJV_SILU_GLU || (dtype != DJV_FLOAT16 && dtype != DJV_BFLOAT16))
+        return DJV_E_DTYPE;
+    if (!x || !idx || !w_up || !w_down_t || !y || (activation == DJV_SILU_GLU && !w_gate)) return DJV_E_POINTER;
+    if (!aligned16(x) || !aligned16(w_up) || !aligned16(w_down_t) || (w_gate && !aligned16(w_gate)) ||
+        !aligned16(workspace))
+        return DJV_E_POINTER;
+    const MlpPlan p = plan_mlp(B, d, K, block_size, activation, 2);
+    if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
+    if (p.tiles + cdiv(d, 128) > kMaxCounters) return DJV_E_SHAPE;
+    if (dtype == DJV_FLOAT16)
+        return run_mlp<__half>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, y, B, d, K, block_size, activation,
+                               workspace, stream);
+    return run_mlp<__nv_bfloat16>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, y, B, d, K, block_size, activation,
+                                  workspace, stream);
+}
+
+}  // extern "C"
