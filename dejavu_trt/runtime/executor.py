@@ -1,0 +1,169 @@
+"""Executors: run an engine's decode loop on a device.
+
+One class serves both targets:
+
+* CPU (the reference fallback): the op contract's torch reference in fp32, eager.
+* CUDA: preallocated KV cache and token/position buffers, the predictor for layer l+1 on a
+  non-blocking side stream overlapping layer l, and the whole decode step (greedy argmax and the
+  advance of the token/position buffers included) captured in one CUDA graph, for batch 1..16.
+
+`dense=True` gives the baseline: every neuron and head active, cuBLAS for the projections.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import DejaVuError
+from .decoder import Decoder, DecoderWeights
+from .ops import make_ops
+from .package import MAX_BATCH
+
+GiB = float(1 << 30)
+
+
+def allocate(shape, dtype, device, what: str, context: str = "") -> torch.Tensor:
+    """torch.zeros with CUDA out-of-memory turned into a one-line error naming the sizes tried."""
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except torch.OutOfMemoryError:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        free = ""
+        if torch.device(device).type == "cuda":
+            try:
+                f, t = torch.cuda.mem_get_info(device)
+                free = f"; {f / GiB:.2f} GiB of {t / GiB:.2f} GiB free"
+            except Exception:  # noqa: BLE001 - the report must not fail while reporting
+                pass
+        raise DejaVuError(f"CUDA out of memory allocating {what} {tuple(shape)} {str(dtype).replace('torch.', '')} "
+                          f"= {nbytes / GiB:.2f} GiB{context}{free}; use a smaller --batch or --max-context") from None
+
+
+class Executor:
+    def __init__(self, weights: DecoderWeights, *, dense: bool = False, ops: str = "auto", batch: int = 1,
+                 max_context: int | None = None, side_stream: bool = True, cuda_graph: bool = True,
+                 kv_policy: str | None = None):
+        cfg = weights.config
+        if not 1 <= batch <= min(cfg.max_batch, MAX_BATCH):
+            raise DejaVuError(f"batch {batch} is outside 1..{min(cfg.max_batch, MAX_BATCH)} (the engine's maximum); "
+                              f"use a smaller --batch")
+        self.w = weights
+        self.device = weights.device
+        self.cuda = self.device.type == "cuda"
+        if ops == "auto" and not self.cuda:
+            ops = "reference"
+        self.ops = make_ops(ops)
+        self.batch = batch
+        self.T = int(max_context or cfg.max_context)
+        if weights.rope is not None and weights.rope[0].shape[0] < self.T:
+            raise DejaVuError(f"max context {self.T} exceeds the RoPE table ({weights.rope[0].shape[0]}) "
+                              f"these weights were loaded with")
+        self.dense = dense
+        self.use_graph = cuda_graph and self.cuda
+        stream = torch.cuda.Stream(device=self.device) if (side_stream and self.cuda and not dense) else None
+        self.decoder = Decoder(weights, self.ops, dense=dense, kv_policy=kv_policy, side_stream=stream)
+        d = weights.dims
+        shape = (batch, d.num_kv_heads, self.T, d.head_dim)
+        ctx = (f" (KV cache of {d.num_layers} layers x 2 for batch {batch} x context {self.T}; "
+               f"weights {weights.nbytes / GiB:.2f} GiB already placed)")
+        self.k_caches = [allocate(shape, weights.dtype, self.device, "the KV cache", ctx) for _ in range(d.num_layers)]
+        self.v_caches = [allocate(shape, weights.dtype, self.device, "the KV cache", ctx) for _ in range(d.num_layers)]
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.position = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        self.logits: torch.Tensor | None = None
+        self.pos_host = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+
+    # --- prompt -------------------------------------------------------------------------------------
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, P] (or [P]) -> last-position logits [B, V]; the next decode step starts at slot P."""
+        tokens = tokens.to(self.device)
+        if tokens.ndim == 1:
+            tokens = tokens[None].expand(self.batch, -1)
+        if tokens.shape[0] != self.batch:
+            raise DejaVuError(f"prompt batch {tokens.shape[0]} does not match the executor's batch {self.batch}")
+        P = tokens.shape[1]
+        if P < 1:
+            raise DejaVuError("the prompt is empty: give at least one token")
+        if P >= self.T:
+            raise DejaVuError(f"the prompt has {P} tokens but the context holds {self.T} (prompt plus generated "
+                              f"tokens): shorten the prompt or raise --max-context")
+        with torch.inference_mode():
+            logits = self.decoder.prefill(tokens, self.k_caches, self.v_caches)
+            self.tokens.copy_(logits.argmax(-1))
+            self.position.fill_(P)
+        self.pos_host = P
+        return logits
+
+    # --- decode -------------------------------------------------------------------------------------
+    def _step_body(self) -> None:
+        logits = self.decoder.decode_step(self.tokens, self.position, self.k_caches, self.v_caches)
+        if self.logits is None:
+            self.logits = torch.empty_like(logits)
+        self.logits.copy_(logits)
+        self.tokens.copy_(logits.argmax(-1))
+        self.position.add_(1)
+
+    def step(self, tokens: torch.Tensor | None = None, *, eager: bool = False) -> torch.Tensor:
+        """One decode step for the tokens in the buffer (greedy continuation by default, or `tokens`).
+
+        Returns the logits [B, V]; afterwards the token buffer holds their argmax and the position is
+        one further, so repeated calls decode greedily without any host round trip.
+        """
+        if self.pos_host >= self.T:
+            raise DejaVuError(f"the context of {self.T} tokens is full: generate fewer tokens or raise --max-context")
+        if tokens is not None:
+            self.tokens.copy_(tokens.to(self.device).reshape(self.batch))
+        with torch.inference_mode():
+            if self.use_graph and not eager:
+                if self.graph is None:
+                    self._capture()
+                self.graph.replay()
+            else:
+                self._step_body()
+        self.pos_host += 1
+        return self.logits
+
+    def _capture(self) -> None:
+        """Capture one decode step. The step is idempotent for the same token and position (it rewrites the
+        same cache slot), so the warm-up runs are undone by resetting the buffers before capture."""
+        tok0, pos0 = self.tokens.clone(), self.position.clone()
+        warm = torch.cuda.Stream(device=self.device)
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):
+            for _ in range(2):
+                self.tokens.copy_(tok0)
+                self.position.copy_(pos0)
+                self._step_body()
+        torch.cuda.current_stream().wait_stream(warm)
+        self.tokens.copy_(tok0)
+        self.position.copy_(pos0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step_body()
+        self.graph = graph
+
+    def timed_steps(self, n: int) -> list[float]:
+        """Run n greedy steps back to back; milliseconds between consecutive tokens (device events on CUDA)."""
+        if self.pos_host + n + 1 > self.T:
+            raise DejaVuError(f"{n} steps from position {self.pos_host} overflow the context of {self.T}")
+        if not self.cuda:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                self.step()
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
+        self.step()  # capture outside the timed region
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        events[0].record()
+        for i in range(n):
+            self.step()
+            events[i + 1].record()
+        torch.cuda.synchronize(self.device)
+        return [events[i].elapsed_time(events[i + 1]) for i in range(n)]

@@ -1,0 +1,200 @@
+"""Op backends an executor can run the decode step with.
+
+All three compute docs/ops.md; they differ in how:
+
+* `ReferenceOps` — the torch reference functions themselves (dejavu_trt.ops.reference), for the CPU
+  fallback and as the ground truth in tests.
+* `TorchOps` — the same semantics in plain torch, but updating the KV cache in place, with no host
+  synchronisation and static shapes, so a whole decode step can be captured in a CUDA graph. It reads
+  the selected rows with gathers, so it moves more bytes than a fused kernel: it is the fallback
+  until (or where) the kernel library is missing.
+* `KernelOps` — libdejavu_kernels through dejavu_trt.kernels (engineer K's ctypes binding).
+
+Each backend also has a dense path (every neuron and head active; cuBLAS on a GPU) — the baseline.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import reference as ref
+from ..ops.contract import PREDICTOR_EPS
+
+
+class LayerWeights(dict):
+    """One layer's tensors by contract name (w_q, w_up, ...), plus predictor tensors (mlp_a, ...)."""
+
+    def __getattr__(self, name):
+        return self.get(name)
+
+
+class ReferenceOps:
+    """The op contract's torch reference (functional caches are copied back in place)."""
+
+    name = "reference"
+
+    def predictor(self, h, lw: LayerWeights, kept_units: int, kept_heads: int):
+        return ref.lookahead_predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units, kept_heads)
+
+    def mlp(self, x, idx, lw: LayerWeights, activation: str, block_size: int):
+        return ref.sparse_mlp(x, idx, activation=activation, block_size=block_size, w_up=lw.w_up,
+                              w_down_t=lw.w_down_t, w_gate=lw.w_gate, b_up=lw.b_up, b_down=lw.b_down)
+
+    def attention(self, x, head_idx, position, lw: LayerWeights, k_cache, v_cache, *, dims, scale, rope,
+                  kv_policy: str):
+        cos, sin = rope if rope is not None else (torch.zeros(1), torch.zeros(1))
+        y, kc, vc = ref.head_sparse_attention(
+            x, head_idx, position, lw.w_q, lw.w_k, lw.w_v, lw.w_o_t, lw.b_q, lw.b_k, lw.b_v, lw.b_o, cos, sin,
+            k_cache, v_cache, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
+            rotary=int(rope is not None), scale=scale, kv_policy=kv_policy)
+        k_cache.copy_(kc)
+        v_cache.copy_(vc)
+        return y
+
+    def dense_mlp(self, x, lw, activation, block_size):
+        n_units = lw.w_up.shape[0] // block_size
+        return self.mlp(x, torch.arange(n_units, dtype=torch.int32, device=x.device), lw, activation, block_size)
+
+    def dense_attention(self, x, position, lw, k_cache, v_cache, *, dims, scale, rope):
+        heads = torch.arange(dims.num_heads, dtype=torch.int32, device=x.device)
+        return self.attention(x, heads, position, lw, k_cache, v_cache, dims=dims, scale=scale, rope=rope,
+                              kv_policy="dense")
+
+
+class TorchOps(ReferenceOps):
+    """Graph-capturable torch implementation (in-place cache writes, static shapes)."""
+
+    name = "torch"
+
+    def predictor(self, h, lw, kept_units, kept_heads):
+        # fp32 scores: fp16 scores tie often, and ties would make the selection depend on the backend.
+        hf = h.float()
+        z = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + PREDICTOR_EPS)
+
+        def top(a, b, k):
+            s = ((z @ a.float()) @ b.float()).amax(0)
+            return torch.sort(torch.topk(s, k, sorted=False).indices).values.to(torch.int32)
+        return top(lw.mlp_a, lw.mlp_b, kept_units), top(lw.head_a, lw.head_b, kept_heads)
+
+    def mlp(self, x, idx, lw, activation, block_size):
+        j = ref.expand_blocks(idx, block_size)
+        up = F.linear(x, lw.w_up.index_select(0, j))
+        if activation == "silu_glu":
+            a = F.silu(F.linear(x, lw.w_gate.index_select(0, j))) * up
+        else:
+            up = up + lw.b_up.index_select(0, j)
+            a = torch.relu(up) if activation == "relu" else F.gelu(up)
+        y = a @ lw.w_down_t.index_select(0, j)
+        return y + lw.b_down if activation != "silu_glu" and lw.b_down is not None else y
+
+    def dense_mlp(self, x, lw, activation, block_size):
+        up = F.linear(x, lw.w_up)
+        if activation == "silu_glu":
+            a = F.silu(F.linear(x, lw.w_gate)) * up
+        else:
+            up = up + lw.b_up
+            a = torch.relu(up) if activation == "relu" else F.gelu(up)
+        y = a @ lw.w_down_t
+        return y + lw.b_down if activation != "silu_glu" and lw.b_down is not None else y
+
+    @staticmethod
+    def _write_kv(k_cache, v_cache, k, v, kv_heads, position):
+        B = k.shape[0]
+        rows = torch.arange(B, device=k.device)[:, None]
+        pos = position.long()[:, None]
+        k_cache.index_put_((rows, kv_heads[None, :], pos), k.to(k_cache.dtype))
+        v_cache.index_put_((rows, kv_heads[None, :], pos), v.to(v_cache.dtype))
+
+    @staticmethod
+    def _attend(q, kk, vv, position, scale):
+        """q [B,h,hd], kk/vv [B,h,T,hd] -> o [B,h,hd] over slots 0..position[b]."""
+        T = kk.shape[2]
+        valid = torch.arange(T, device=q.device)[None, :] <= position.long()[:, None]
+        o = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=valid[:, None, None, :],
+                                           scale=scale)
+        return o[:, :, 0, :]
+
+    def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy):
+        B, d = x.shape
+        H, Hkv, hd = dims.num_heads, dims.num_kv_heads, dims.head_dim
+        group = H // Hkv
+        heads = head_idx.long()
+        if kv_policy == "dense":
+            kv_heads = torch.arange(Hkv, device=x.device)
+            k = F.linear(x, lw.w_k, lw.b_k).view(B, Hkv, hd)
+            v = F.linear(x, lw.w_v, lw.b_v).view(B, Hkv, hd)
+        else:  # the KV heads of the selected heads (repeats write identical values)
+            kv_heads = heads // group
+            k = (F.linear(x, lw.w_k.view(Hkv, hd, d)[kv_heads].reshape(-1, d))
+                 + lw.b_k.view(Hkv, hd)[kv_heads].reshape(-1)).view(B, -1, hd)
+            v = (F.linear(x, lw.w_v.view(Hkv, hd, d)[kv_heads].reshape(-1, d))
+                 + lw.b_v.view(Hkv, hd)[kv_heads].reshape(-1)).view(B, -1, hd)
+        q = (F.linear(x, lw.w_q.view(H, hd, d)[heads].reshape(-1, d))
+             + lw.b_q.view(H, hd)[heads].reshape(-1)).view(B, -1, hd)
+        if rope is not None:
+            cos, sin = rope[0][position.long()][:, None, :], rope[1][position.long()][:, None, :]
+            k, q = ref.apply_rope(k, cos, sin).to(x.dtype), ref.apply_rope(q, cos, sin).to(x.dtype)
+        self._write_kv(k_cache, v_cache, k, v, kv_heads, position)
+        g = heads // group
+        o = self._attend(q, k_cache[:, g], v_cache[:, g], position, scale)
+        w_o = lw.w_o_t.view(H, hd, d)[heads].reshape(-1, d)
+        return o.reshape(B, -1) @ w_o + lw.b_o
+
+    def dense_attention(self, x, position, lw, k_cache, v_cache, *, dims, scale, rope):
+        B, d = x.shape
+        H, Hkv, hd = dims.num_heads, dims.num_kv_heads, dims.head_dim
+        q = F.linear(x, lw.w_q, lw.b_q).view(B, H, hd)
+        k = F.linear(x, lw.w_k, lw.b_k).view(B, Hkv, hd)
+        v = F.linear(x, lw.w_v, lw.b_v).view(B, Hkv, hd)
+        if rope is not None:
+            cos, sin = rope[0][position.long()][:, None, :], rope[1][position.long()][:, None, :]
+            k, q = ref.apply_rope(k, cos, sin).to(x.dtype), ref.apply_rope(q, cos, sin).to(x.dtype)
+        self._write_kv(k_cache, v_cache, k, v, torch.arange(Hkv, device=x.device), position)
+        T = k_cache.shape[2]
+        valid = torch.arange(T, device=x.device)[None, :] <= position.long()[:, None]
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache, v_cache, attn_mask=valid[:, None, None, :],
+                                           scale=scale, enable_gqa=H != Hkv)
+        return F.linear(o.reshape(B, H * hd), lw.w_o_t.T, lw.b_o)
+
+
+class KernelOps(TorchOps):
+    """libdejavu_kernels through dejavu_trt.kernels; dense paths stay on cuBLAS (TorchOps)."""
+
+    name = "kernels"
+
+    def __init__(self):
+        from .. import kernels  # raises ImportError / DejaVuError when the library is not built
+        self.k = kernels
+
+    def predictor(self, h, lw, kept_units, kept_heads):
+        return self.k.lookahead_predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units, kept_heads)
+
+    def mlp(self, x, idx, lw, activation, block_size):
+        return self.k.sparse_mlp(x, idx, activation=activation, block_size=block_size, w_up=lw.w_up,
+                                 w_down_t=lw.w_down_t, w_gate=lw.w_gate, b_up=lw.b_up, b_down=lw.b_down)
+
+    def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy):
+        cos, sin = rope if rope is not None else (None, None)
+        return self.k.head_sparse_attention(
+            x, head_idx, position, lw.w_q, lw.w_k, lw.w_v, lw.w_o_t, lw.b_q, lw.b_k, lw.b_v, lw.b_o, cos, sin,
+            k_cache, v_cache, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
+            rotary=int(rope is not None), scale=scale, kv_policy=kv_policy)
+
+
+def make_ops(name: str):
+    """'reference' | 'torch' | 'kernels' | 'auto' (kernels when the library loads, else torch)."""
+    if name == "reference":
+        return ReferenceOps()
+    if name == "torch":
+        return TorchOps()
+    if name in ("kernels", "auto"):
+        try:
+            return KernelOps()
+        except Exception as e:  # noqa: BLE001 - any failure to load the library means: no kernels
+            if name == "kernels":
+                from ..errors import DejaVuError
+                raise DejaVuError(f"the kernel library could not be loaded ({str(e).splitlines()[0] if str(e) else e.__class__.__name__}); "
+                                  f"build it with `python -m dejavu_trt.kernels.build` or use --ops torch") from None
+            return TorchOps()
+    from ..errors import DejaVuError
+    raise DejaVuError(f"unknown op backend {name!r}; use auto, kernels, torch or reference")
