@@ -1,0 +1,233 @@
+"""Kernel benchmark on the GPU (issue 4 section 5): sparse MLP, head-sparse attention, predictor.
+
+    python benchmarks/bench_kernels.py [--quick] [--json out.json]
+
+Times are per call, from CUDA-graph replays (a graph holds a run of calls rotating over several copies
+of the weights so that the active bytes exceed L2 several times), median over replays. "GB/s" counts the
+bytes that must move: active weight rows (+ active KV cache for attention) read once, activations and
+outputs. Copy bandwidth = a large device-to-device copy, (read + write) / time, measured in this run.
+Dense = torch F.linear chain (cuBLAS) on the same device, same dtype, same rotation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dejavu_trt import kernels  # noqa: E402
+
+DT = torch.float16
+ES = 2
+L2_BYTES = 60e6
+SHAPES = {  # name: d, ffn, H, Hkv, activation
+    "OPT-13B": (5120, 20480, 40, 40, "relu"),
+    "LLaMA-2-7B": (4096, 11008, 32, 32, "silu_glu"),
+    "LLaMA-3-70B-like": (8192, 28672, 64, 8, "silu_glu"),
+}
+
+
+def graph_time(fn_list, replays=30):
+    """Median seconds per call of fn_list (each a no-arg launch) captured in one graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fn_list:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fn_list:
+            f()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); g.replay(); b.record(); b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3 / len(fn_list))
+    return statistics.median(ts)
+
+
+def copy_bw():
+    n = 1 << 30  # 1 GiB
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = graph_time([lambda: dst.copy_(src)] * 4, replays=10)
+    del src, dst
+    return 2 * n / t
+
+
+def ncopies(active_bytes):
+    return max(2, min(8, math.ceil(4 * L2_BYTES / max(active_bytes, 1))))
+
+
+def rnd(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(DT)
+
+
+def bench_mlp(name, batches, kepts, cbw, rows):
+    d, N, _, _, act = SHAPES[name]
+    glu = act == "silu_glu"
+    nmat = 3 if glu else 2
+    full_bytes = nmat * N * d * ES
+    nc = ncopies(0.1 * full_bytes)
+    sets = []
+    for _ in range(nc):
+        w = dict(w_up=rnd(N, d, scale=d ** -0.5), w_down_t=rnd(N, d, scale=N ** -0.5))
+        if glu:
+            w["w_gate"] = rnd(N, d, scale=d ** -0.5)
+        else:
+            w["b_up"] = rnd(N, scale=0.1); w["b_down"] = rnd(d, scale=0.1)
+        w["w_down"] = w["w_down_t"].t().contiguous()  # HF layout for the dense baseline
+        sets.append(w)
+    for B in batches:
+        x = rnd(B, d)
+        y = torch.empty(B, d, device="cuda", dtype=DT)
+        if glu:
+            dense = [lambda w=w: torch.mm(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"].t(), out=y)
+                     for w in sets]
+            dense = [lambda w=w: F.linear(F.silu(F.linear(x, w["w_gate"])) * F.linear(x, w["w_up"]), w["w_down"])
+                     for w in sets]
+        else:
+            dense = [lambda w=w: F.linear(torch.relu(F.linear(x, w["w_up"], w["b_up"])), w["w_down"], w["b_down"])
+                     for w in sets]
+        t_dense = graph_time(dense * 2)
+        for kept in kepts:
+            K = max(1, round(kept * N))
+            idx = torch.randperm(N, device="cuda")[:K].sort().values.to(torch.int32)
+            ws = torch.zeros(kernels.sparse_mlp_workspace_size(B, d, N, K, 1, act), dtype=torch.uint8, device="cuda")
+            calls = []
+            for w in sets:
+                kw = {k: v for k, v in w.items() if k != "w_down"}
+                calls.append(lambda kw=kw: kernels.sparse_mlp(x, idx, activation=act, out=y, workspace=ws, **kw))
+            t = graph_time(calls * 2)
+            nbytes = nmat * K * d * ES + 2 * B * d * ES + (K * ES if not glu else 0)
+            rows.append(dict(op="mlp", shape=name, B=B, kept=kept, K=K, us=t * 1e6, GBps=nbytes / t / 1e9,
+                             pct_copy=100 * nbytes / t / cbw, dense_us=t_dense * 1e6, speedup=t_dense / t))
+            print_row(rows[-1])
+    del sets
+    torch.cuda.empty_cache()
+
+
+def bench_attn(name, batches, head_frac, ctx, cbw, rows):
+    d, _, H, Hkv, _ = SHAPES[name]
+    hd = d // H
+    T = ctx
+    group = H // Hkv
+    Kh = max(1, round(head_frac * H))
+    w_bytes = 4 * H * hd * d * ES
+    for B in batches:
+        cache_bytes = 2 * B * Hkv * T * hd * ES
+        nc = max(2, min(6, math.ceil(4 * L2_BYTES / (0.2 * (w_bytes + cache_bytes)))))
+        sets = []
+        for _ in range(nc):
+            s = dict(w_q=rnd(H * hd, d, scale=d ** -0.5), w_k=rnd(Hkv * hd, d, scale=d ** -0.5),
+                     w_v=rnd(Hkv * hd, d, scale=d ** -0.5), w_o_t=rnd(H * hd, d, scale=(H * hd) ** -0.5))
+            s["w_o"] = s["w_o_t"].t().contiguous()
+            s["kc"] = rnd(B, Hkv, T, hd); s["vc"] = rnd(B, Hkv, T, hd)
+            sets.append(s)
+        x = rnd(B, d)
+        y = torch.empty(B, d, device="cuda", dtype=DT)
+        pos = torch.full((B,), T - 1, device="cuda", dtype=torch.int32)
+        posl = pos.long()
+        ang = torch.arange(T, device="cuda")[:, None] * (1e4 ** (-torch.arange(hd // 2, device="cuda") / (hd // 2)))
+        rc, rs = ang.cos().to(DT), ang.sin().to(DT)
+        brow = torch.arange(B, device="cuda")
+
+        def dense_call(s):
+            q = F.linear(x, s["w_q"]).view(B, H, 1, hd)
+            k = F.linear(x, s["w_k"]).view(B, Hkv, hd)
+            v = F.linear(x, s["w_v"]).view(B, Hkv, hd)
+            s["kc"][brow, :, posl] = k
+            s["vc"][brow, :, posl] = v
+            o = F.scaled_dot_product_attention(q, s["kc"], s["vc"], enable_gqa=group > 1)
+            return F.linear(o.view(B, H * hd), s["w_o"])
+        t_dense = graph_time([lambda s=s: dense_call(s) for s in sets] * 2)
+        hidx = torch.randperm(H, device="cuda")[:Kh].sort().values.to(torch.int32)
+        n_act_kv = len(torch.unique(hidx.long() // group))
+        for pol in ("active", "dense"):
+            ws = torch.zeros(kernels.head_attention_workspace_size(B, d, H, Hkv, hd, Kh, T, pol), dtype=torch.uint8,
+                             device="cuda")
+            calls = [lambda s=s: kernels.head_sparse_attention(
+                x, hidx, pos, s["w_q"], s["w_k"], s["w_v"], s["w_o_t"], None, None, None, None, rc, rs, s["kc"],
+                s["vc"], num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy=pol,
+                out=y, workspace=ws) for s in sets]
+            t = graph_time(calls * 2)
+            nkv_proj = Hkv if pol == "dense" else n_act_kv
+            nbytes = (2 * Kh * hd * d + 2 * nkv_proj * hd * d) * ES + 2 * B * n_act_kv * T * hd * ES
+            rows.append(dict(op="attn", shape=name, B=B, kept=Kh / H, K=Kh, policy=pol, ctx=T, us=t * 1e6,
+                             GBps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / cbw, dense_us=t_dense * 1e6,
+                             speedup=t_dense / t))
+            print_row(rows[-1])
+        del sets
+        torch.cuda.empty_cache()
+
+
+def bench_pred(name, batches, r_m, r_h, kept, rows):
+    d, N, H, _, _ = SHAPES[name]
+    for B in batches:
+        h = rnd(B, d)
+        ma, mb = rnd(d, r_m, scale=d ** -0.5), rnd(r_m, N, scale=r_m ** -0.5)
+        ha, hb = rnd(d, r_h, scale=d ** -0.5), rnd(r_h, H, scale=r_h ** -0.5)
+        K, Kh = round(kept * N), max(1, round(0.2 * H))
+        mi = torch.empty(K, dtype=torch.int32, device="cuda")
+        hi = torch.empty(Kh, dtype=torch.int32, device="cuda")
+        ws = torch.zeros(kernels.predictor_workspace_size(B, d, r_m, N, r_h, H), dtype=torch.uint8, device="cuda")
+        t = graph_time([lambda: kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=Kh, out=(mi, hi),
+                                                  workspace=ws)] * 10)
+        nbytes = (d * r_m + r_m * N + d * r_h + r_h * H) * ES
+        rows.append(dict(op="predictor", shape=name, B=B, kept=kept, K=K, r_m=r_m, r_h=r_h, us=t * 1e6,
+                         GBps=nbytes / t / 1e9))
+        print_row(rows[-1])
+
+
+def print_row(r):
+    if r["op"] == "predictor":
+        print(f"{r['op']:9s} {r['shape']:17s} B={r['B']:2d} r_m={r['r_m']} r_h={r['r_h']} K={r['K']:6d} "
+              f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s", flush=True)
+        return
+    extra = f" {r['policy']:6s}" if r["op"] == "attn" else ""
+    print(f"{r['op']:9s} {r['shape']:17s} B={r['B']:2d} kept={r['kept']:.2f}{extra} {r['us']:8.1f} us "
+          f"{r['GBps']:7.0f} GB/s ({r['pct_copy']:5.1f}% copy)  dense {r['dense_us']:8.1f} us  x{r['speedup']:.2f}",
+          flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer points")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--only", default="mlp,attn,pred")
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    only = a.only.split(",")
+    cbw = copy_bw()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {cbw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    batches = [1, 4, 16]
+    kepts = [0.1, 0.25, 1.0] if a.quick else [0.1, 0.2, 0.25, 0.5, 0.75, 1.0]
+    shapes = ["OPT-13B"] if a.quick else list(SHAPES)
+    if "mlp" in only:
+        for s in shapes:
+            bench_mlp(s, batches, kepts, cbw, rows)
+    if "attn" in only:
+        for s in shapes:
+            bench_attn(s, batches, 0.2, 2048, cbw, rows)
+    if "pred" in only:
+        for s in shapes:
+            bench_pred(s, batches, 128, 64, 0.25, rows)
+    if a.json:
+        a.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=cbw / 1e9, rows=rows),
+                                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

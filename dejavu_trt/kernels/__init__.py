@@ -1,0 +1,225 @@
+"""Python binding of libdejavu_kernels (plugins/, C ABI in plugins/common/dejavu_kernels.h).
+
+ctypes over the C ABI. Every call enqueues on ``torch.cuda.current_stream()`` and never synchronises
+with the host, so a sequence of calls can be captured in a CUDA graph. Workspaces are zero-filled
+device buffers cached per (device, op, size) and reused (the kernels leave their counters at zero);
+pass ``workspace=`` (a uint8 CUDA tensor of at least ``*_workspace_size(...)`` bytes, zero-filled once)
+to own it instead, e.g. one per concurrent stream. Two ops running concurrently on different streams
+must not share a workspace.
+
+Library lookup: ``$DEJAVU_KERNELS_LIB``, else ``plugins/build/libdejavu_kernels.so`` in the repository
+(build it with ``python -m dejavu_trt.kernels.build``). ``available()`` says whether it loads.
+
+Functions (fp16 or bf16 tensors, contiguous, on one CUDA device; index tensors int32, ascending):
+
+``predictor(h, mlp_a, mlp_b, head_a=None, head_b=None, *, kept_units, kept_heads=0, eps=1e-6,
+            out=None, workspace=None) -> (mlp_idx [K] int32, head_idx [Kh] int32 or None)``
+    DejaVuLookaheadPredictor: h [B,d], mlp_a [d,r_m], mlp_b [r_m,Nb], head_a [d,r_h], head_b [r_h,H].
+    ``out=(mlp_idx, head_idx)`` writes into preallocated int32 tensors.
+
+``sparse_mlp(x, idx, *, activation, block_size=1, w_up, w_down_t, w_gate=None, b_up=None,
+             b_down=None, out=None, workspace=None) -> y [B,d]``
+    DejaVuSparseMLP; activation in {"relu", "gelu", "silu_glu"}; same keywords as
+    ``dejavu_trt.ops.reference.sparse_mlp``.
+
+``head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos,
+                        rope_sin, k_cache, v_cache, *, num_heads, num_kv_heads, head_dim, rotary, scale,
+                        kv_policy="dense", out=None, workspace=None) -> (y, k_cache, v_cache)``
+    DejaVuHeadSparseAttention; the caches [B,Hkv,T,hd] are updated IN PLACE and returned (the
+    reference returns updated copies). Biases may be None (zero); rope tables may be None if rotary=0.
+
+Limits (checked, ValueError otherwise): 1 <= B <= 16; d % 8 == 0; head_dim in {64, 128, 256};
+predictor ranks even and <= 2048, Nb and H even. ``*_workspace_size`` give the byte counts.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+__all__ = [
+    "available", "load_library", "library_path", "KernelsUnavailable",
+    "predictor", "sparse_mlp", "head_sparse_attention",
+    "predictor_workspace_size", "sparse_mlp_workspace_size", "head_attention_workspace_size",
+]
+
+_REPO = Path(__file__).resolve().parents[2]
+_DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
+_ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
+_POLICY = {"dense": 0, "active": 1}
+_lib = None
+_ws_cache: dict = {}
+
+
+class KernelsUnavailable(RuntimeError):
+    """libdejavu_kernels could not be found or loaded."""
+
+
+def library_path() -> Path:
+    env = os.environ.get("DEJAVU_KERNELS_LIB")
+    return Path(env) if env else _DEFAULT_LIB
+
+
+def load_library():
+    global _lib
+    if _lib is not None:
+        return _lib
+    path = library_path()
+    if not path.exists():
+        raise KernelsUnavailable(
+            f"libdejavu_kernels not found at {path}; build it with `python -m dejavu_trt.kernels.build` "
+            "(needs nvcc and cmake) or point DEJAVU_KERNELS_LIB at it")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:  # e.g. no CUDA runtime on this machine
+        raise KernelsUnavailable(f"cannot load {path}: {e}") from e
+    P, I, F, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
+    lib.djv_abi_version.restype = I
+    lib.djv_status_string.restype = ctypes.c_char_p
+    lib.djv_status_string.argtypes = [I]
+    lib.djv_predictor_workspace_size.restype = Z
+    lib.djv_predictor_workspace_size.argtypes = [I] * 6
+    lib.djv_lookahead_predictor.restype = I
+    lib.djv_lookahead_predictor.argtypes = [P] * 8 + [I] * 8 + [F, I, P, Z, P]
+    lib.djv_sparse_mlp_workspace_size.restype = Z
+    lib.djv_sparse_mlp_workspace_size.argtypes = [I] * 6
+    lib.djv_sparse_mlp.restype = I
+    lib.djv_sparse_mlp.argtypes = [P] * 8 + [I] * 7 + [P, Z, P]
+    lib.djv_head_attention_workspace_size.restype = Z
+    lib.djv_head_attention_workspace_size.argtypes = [I] * 8
+    lib.djv_head_sparse_attention.restype = I
+    lib.djv_head_sparse_attention.argtypes = [P] * 16 + [I] * 9 + [F, I, I, P, Z, P]
+    if lib.djv_abi_version() != 1:
+        raise KernelsUnavailable(f"{path}: C ABI version {lib.djv_abi_version()}, expected 1")
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    try:
+        load_library()
+        return True
+    except KernelsUnavailable:
+        return False
+
+
+def _dtype_code(t):
+    import torch
+    if t.dtype == torch.float16:
+        return 0
+    if t.dtype == torch.bfloat16:
+        return 1
+    raise ValueError(f"dtype {t.dtype} not supported by the kernels (float16 or bfloat16)")
+
+
+def _ptr(t):
+    if t is None:
+        return None
+    if not t.is_cuda:
+        raise ValueError("kernel inputs must be CUDA tensors")
+    if not t.is_contiguous():
+        raise ValueError("kernel inputs must be contiguous")
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _check(status: int, op: str):
+    if status != 0:
+        msg = _lib.djv_status_string(status).decode()
+        raise ValueError(f"{op}: {msg} (status {status})") if status < 0 else RuntimeError(f"{op}: CUDA error: {msg}")
+
+
+def _stream():
+    import torch
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def _workspace(op: str, nbytes: int, device, given):
+    """A zero-filled uint8 buffer of >= nbytes; cached per (device, op) and grown on demand."""
+    import torch
+    if given is not None:
+        if given.numel() < nbytes or given.dtype != torch.uint8 or not given.is_cuda:
+            raise ValueError(f"{op}: workspace must be a CUDA uint8 tensor of >= {nbytes} bytes")
+        return given
+    key = (device.index if device.index is not None else torch.cuda.current_device(), op)
+    buf = _ws_cache.get(key)
+    if buf is None or buf.numel() < nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{op}: workspace must be allocated before graph capture; call once eagerly first "
+                               "or pass workspace=")
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)  # counters must start at zero
+        _ws_cache[key] = buf
+    return buf
+
+
+def predictor_workspace_size(B, d, r_m, Nb, r_h=0, H=0) -> int:
+    return int(load_library().djv_predictor_workspace_size(B, d, r_m, Nb, r_h, H))
+
+
+def sparse_mlp_workspace_size(B, d, N, K, block_size, activation) -> int:
+    return int(load_library().djv_sparse_mlp_workspace_size(B, d, N, K, block_size, _ACT[activation]))
+
+
+def head_attention_workspace_size(B, d, H, Hkv, hd, Kh, T, kv_policy) -> int:
+    return int(load_library().djv_head_attention_workspace_size(B, d, H, Hkv, hd, Kh, T, _POLICY[kv_policy]))
+
+
+def predictor(h, mlp_a, mlp_b, head_a=None, head_b=None, *, kept_units: int, kept_heads: int = 0,
+              eps: float = 1e-6, out=None, workspace=None, mlp_scores=None):
+    import torch
+    lib = load_library()
+    B, d = h.shape
+    r_m, Nb = mlp_b.shape
+    heads = head_a is not None
+    r_h, H = (head_b.shape if heads else (0, 0))
+    dev = h.device
+    if out is None:
+        mlp_idx = torch.empty(kept_units, dtype=torch.int32, device=dev)
+        head_idx = torch.empty(kept_heads, dtype=torch.int32, device=dev) if heads else None
+    else:
+        mlp_idx, head_idx = out
+    ws = _workspace("predictor", lib.djv_predictor_workspace_size(B, d, r_m, Nb, r_h, H), dev, workspace)
+    st = lib.djv_lookahead_predictor(
+        _ptr(h), _ptr(mlp_a), _ptr(mlp_b), _ptr(head_a), _ptr(head_b), _ptr(mlp_idx), _ptr(head_idx),
+        _ptr(mlp_scores), B, d, r_m, Nb, kept_units, r_h, H, kept_heads, eps, _dtype_code(h),
+        _ptr(ws), ws.numel(), _stream())
+    _check(st, "predictor")
+    return mlp_idx, head_idx
+
+
+def sparse_mlp(x, idx, *, activation: str, block_size: int = 1, w_up, w_down_t, w_gate=None, b_up=None,
+               b_down=None, out=None, workspace=None):
+    import torch
+    lib = load_library()
+    B, d = x.shape
+    N = w_up.shape[0]
+    K = idx.shape[0]
+    act = _ACT[activation]
+    y = torch.empty_like(x) if out is None else out
+    ws = _workspace("sparse_mlp", lib.djv_sparse_mlp_workspace_size(B, d, N, K, block_size, act), x.device,
+                    workspace)
+    st = lib.djv_sparse_mlp(_ptr(x), _ptr(idx), _ptr(w_gate), _ptr(w_up), _ptr(b_up), _ptr(w_down_t),
+                            _ptr(b_down), _ptr(y), B, d, N, K, block_size, act, _dtype_code(x), _ptr(ws),
+                            ws.numel(), _stream())
+    _check(st, "sparse_mlp")
+    return y
+
+
+def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos, rope_sin,
+                          k_cache, v_cache, *, num_heads: int, num_kv_heads: int, head_dim: int, rotary: int,
+                          scale: float, kv_policy: str = "dense", out=None, workspace=None):
+    import torch
+    lib = load_library()
+    B, d = x.shape
+    T = k_cache.shape[2]
+    Kh = head_idx.shape[0]
+    pol = _POLICY[kv_policy]
+    y = torch.empty_like(x) if out is None else out
+    ws = _workspace("head_attention", lib.djv_head_attention_workspace_size(
+        B, d, num_heads, num_kv_heads, head_dim, Kh, T, pol), x.device, workspace)
+    st = lib.djv_head_sparse_attention(
+        _ptr(x), _ptr(head_idx), _ptr(position), _ptr(w_q), _ptr(w_k), _ptr(w_v), _ptr(w_o_t), _ptr(b_q),
+        _ptr(b_k), _ptr(b_v), _ptr(b_o), _ptr(rope_cos) if rotary else None, _ptr(rope_sin) if rotary else None,
+        _ptr(k_cache), _ptr(v_cache), _ptr(y), B, d, num_heads, num_kv_heads, head_dim, Kh, T, int(rotary),
+        float(scale), pol, _dtype_code(x), _ptr(ws), ws.numel(), _stream())
+    _check(st, "head_sparse_attention")
+    return y, k_cache, v_cache

@@ -1,0 +1,299 @@
+"""Kernels vs the float64 torch reference (dejavu_trt/ops/reference.py), fresh random inputs each run.
+
+Outputs are poisoned with NaN before each call, so an element the kernel forgot to write fails the
+finite check. Tolerances are relative L2 errors: fp16/bf16 inputs, fp32 accumulation, activations
+rounded to the I/O dtype between the two projections (as HF does).
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dejavu_trt import kernels
+from dejavu_trt.ops import reference as ref
+
+DTYPES = [torch.float16, torch.bfloat16]
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def relerr(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def rand(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+
+def rand_idx(n, k):
+    return torch.randperm(n, device="cuda")[:k].sort().values.to(torch.int32)
+
+
+def d64(t):
+    return None if t is None else t.double()
+
+
+# ---------------------------------------------------------------------------------------------- MLP
+MLP_CASES = [  # B, d, N, K, block_size
+    (1, 200, 37, 1, 1),        # K = 1 block, d not a power of two, odd N
+    (16, 200, 37, 37, 1),      # K = all, batch 16
+    (3, 520, 300, 19, 4),      # blocks of 4, odd K
+    (9, 1032, 1000, 333, 1),   # 9 rows -> second n-tile, non-multiple-of-16 active rows
+    (16, 4096, 2752, 700, 1),  # larger, d split across CTAs
+    (1, 5120, 4096, 1024, 1),
+]
+
+
+def make_mlp(B, d, N, activation, dtype):
+    s = 1 / math.sqrt(d)
+    p = dict(w_up=rand(N, d, dtype=dtype, scale=s), w_down_t=rand(N, d, dtype=dtype, scale=1 / math.sqrt(N)))
+    if activation == "silu_glu":
+        p["w_gate"] = rand(N, d, dtype=dtype, scale=s)
+    else:
+        p["b_up"] = rand(N, dtype=dtype, scale=0.1)
+        p["b_down"] = rand(d, dtype=dtype, scale=0.1)
+    return rand(B, d, dtype=dtype), p
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu_glu"])
+@pytest.mark.parametrize("B,d,N,K,bs", MLP_CASES)
+def test_sparse_mlp(B, d, N, K, bs, activation, dtype):
+    x, p = make_mlp(B, d, N, activation, dtype)
+    idx = rand_idx(N // bs, K)
+    y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+    kernels.sparse_mlp(x, idx, activation=activation, block_size=bs, out=y, **p)
+    want = ref.sparse_mlp(x.double(), idx, activation=activation, block_size=bs,
+                          **{k: d64(v) for k, v in p.items()})
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    assert relerr(y, want) < TOL[dtype]
+    y2 = kernels.sparse_mlp(x, idx, activation=activation, block_size=bs, **p)
+    assert torch.equal(y, y2), "not deterministic"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("activation", ["relu", "silu_glu"])
+def test_sparse_mlp_all_active_equals_dense(activation, dtype):
+    B, d, N = 4, 1000, 777
+    x, p = make_mlp(B, d, N, activation, dtype)
+    idx = torch.arange(N, device="cuda", dtype=torch.int32)
+    y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+    kernels.sparse_mlp(x, idx, activation=activation, out=y, **p)
+    xd = x.double()
+    if activation == "silu_glu":
+        a = F.silu(F.linear(xd, p["w_gate"].double())) * F.linear(xd, p["w_up"].double())
+        dense = F.linear(a, p["w_down_t"].double().T)
+    else:
+        a = torch.relu(F.linear(xd, p["w_up"].double(), p["b_up"].double()))
+        dense = F.linear(a, p["w_down_t"].double().T, p["b_down"].double())
+    assert torch.isfinite(y).all()
+    assert relerr(y, dense) < TOL[dtype]
+
+
+def test_sparse_mlp_inactive_rows_unread():
+    """Rows outside idx may hold anything (here NaN): the kernel must never touch them."""
+    B, d, N, K = 2, 256, 64, 16
+    x, p = make_mlp(B, d, N, "relu", torch.float16)
+    idx = rand_idx(N, K)
+    mask = torch.ones(N, dtype=torch.bool, device="cuda")
+    mask[idx.long()] = False
+    want = ref.sparse_mlp(x.double(), idx, activation="relu", **{k: d64(v) for k, v in p.items()})
+    for k in ("w_up", "w_down_t"):
+        p[k][mask] = float("nan")
+    y = kernels.sparse_mlp(x, idx, activation="relu", **p)
+    assert torch.isfinite(y).all()
+    assert relerr(y, want) < TOL[torch.float16]
+
+
+def test_sparse_mlp_rejects_bad_shapes():
+    x, p = make_mlp(17, 64, 32, "relu", torch.float16)  # B = 17 > 16
+    with pytest.raises(ValueError):
+        kernels.sparse_mlp(x, rand_idx(32, 4), activation="relu", **p)
+
+
+# ---------------------------------------------------------------------------------------- attention
+ATTN_CASES = [  # B, H, Hkv, hd, d, T, Kh
+    (1, 4, 4, 64, 256, 17, 1),       # one head, batch 1
+    (16, 8, 2, 64, 200, 40, 3),      # GQA, batch 16, d not a power of two
+    (4, 6, 6, 128, 384, 300, 6),     # all heads
+    (2, 16, 2, 128, 520, 1000, 5),   # GQA group 8
+    (3, 24, 1, 64, 264, 129, 11),    # one KV head, group 24: work items split into octets
+    (5, 32, 32, 128, 1024, 2100, 7),
+]
+
+
+def make_attn(B, H, Hkv, hd, d, T, dtype, bias=True):
+    s = 1 / math.sqrt(d)
+    w = dict(w_q=rand(H * hd, d, dtype=dtype, scale=s), w_k=rand(Hkv * hd, d, dtype=dtype, scale=s),
+             w_v=rand(Hkv * hd, d, dtype=dtype, scale=s), w_o_t=rand(H * hd, d, dtype=dtype, scale=1 / math.sqrt(H * hd)))
+    if bias:
+        w.update(b_q=rand(H * hd, dtype=dtype, scale=0.1), b_k=rand(Hkv * hd, dtype=dtype, scale=0.1),
+                 b_v=rand(Hkv * hd, dtype=dtype, scale=0.1), b_o=rand(d, dtype=dtype, scale=0.1))
+    else:
+        w.update(b_q=None, b_k=None, b_v=None, b_o=None)
+    inv = 1.0 / (10000 ** (torch.arange(0, hd // 2, device="cuda", dtype=torch.float64) / (hd // 2)))
+    ang = torch.arange(T, device="cuda", dtype=torch.float64)[:, None] * inv[None, :]
+    w["rope_cos"], w["rope_sin"] = ang.cos().to(dtype), ang.sin().to(dtype)
+    kc = rand(B, Hkv, T, hd, dtype=dtype)
+    vc = rand(B, Hkv, T, hd, dtype=dtype)
+    return rand(B, d, dtype=dtype), w, kc, vc
+
+
+def attn_ref(x, hidx, pos, w, kc, vc, **kw):
+    H, Hkv, hd = kw["num_heads"], kw["num_kv_heads"], kw["head_dim"]
+    z = lambda n: torch.zeros(n, device="cuda", dtype=torch.float64)
+    dflt = dict(b_q=z(H * hd), b_k=z(Hkv * hd), b_v=z(Hkv * hd), b_o=z(x.shape[1]))
+    args = {k: (d64(v) if v is not None else dflt[k]) for k, v in w.items()}
+    return ref.head_sparse_attention(x.double(), hidx, pos, args["w_q"], args["w_k"], args["w_v"], args["w_o_t"],
+                                     args["b_q"], args["b_k"], args["b_v"], args["b_o"], args["rope_cos"],
+                                     args["rope_sin"], kc.double(), vc.double(), **kw)
+
+
+def check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype):
+    written = (want_k != kc0.double()) | (want_v != vc0.double())
+    # every slot the reference leaves alone must be bit-identical
+    assert torch.equal(kc[~written], kc0[~written]) and torch.equal(vc[~written], vc0[~written])
+    assert written.any()
+    assert relerr(kc[written], want_k[written]) < TOL[dtype] and relerr(vc[written], want_v[written]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kv_policy", ["dense", "active"])
+@pytest.mark.parametrize("rotary", [0, 1])
+@pytest.mark.parametrize("B,H,Hkv,hd,d,T,Kh", ATTN_CASES)
+def test_head_sparse_attention(B, H, Hkv, hd, d, T, Kh, rotary, kv_policy, dtype):
+    x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype, bias=(rotary == 0))
+    hidx = rand_idx(H, Kh)
+    pos = torch.randint(0, T, (B,), device="cuda", dtype=torch.int32)
+    pos[0] = T - 1
+    if B > 1:
+        pos[1] = 0
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=rotary, scale=hd ** -0.5, kv_policy=kv_policy)
+    want_y, want_k, want_v = attn_ref(x, hidx, pos, w, kc, vc, **kw)
+    kc0, vc0 = kc.clone(), vc.clone()
+    y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+    kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y, **kw)
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    assert relerr(y, want_y) < TOL[dtype]
+    check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_attention_all_heads_equals_dense(dtype):
+    B, H, Hkv, hd, d, T = 3, 8, 4, 64, 512, 90
+    x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
+    pos = torch.tensor([89, 0, 45], device="cuda", dtype=torch.int32)
+    hidx = torch.arange(H, device="cuda", dtype=torch.int32)
+    y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+    kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y, num_heads=H, num_kv_heads=Hkv,
+                                  head_dim=hd, rotary=0, scale=hd ** -0.5, kv_policy="dense")
+    # independent dense computation: full projections + SDPA over the updated cache with a length mask
+    xd = x.double()
+    q = F.linear(xd, w["w_q"].double(), w["b_q"].double()).view(B, H, 1, hd)
+    kk, vv = kc.double(), vc.double()
+    mask = torch.arange(T, device="cuda")[None, :] <= pos.long()[:, None]
+    kr = kk.repeat_interleave(H // Hkv, dim=1)
+    vr = vv.repeat_interleave(H // Hkv, dim=1)
+    o = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask[:, None, None, :], scale=hd ** -0.5)
+    dense = F.linear(o.reshape(B, H * hd), w["w_o_t"].double().T, w["b_o"].double())
+    assert torch.isfinite(y).all()
+    assert relerr(y, dense) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------- predictor
+PRED_CASES = [  # B, d, r_m, Nb, K, r_h, H, Kh
+    (1, 200, 64, 22, 1, 32, 4, 1),
+    (5, 768, 128, 3072, 3072, 64, 12, 12),   # keep everything
+    (16, 5120, 128, 20480, 5120, 128, 40, 8),
+    (3, 4096, 256, 30002, 777, 64, 32, 31),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,d,r_m,Nb,K,r_h,H,Kh", PRED_CASES)
+def test_predictor(B, d, r_m, Nb, K, r_h, H, Kh, dtype):
+    h = rand(B, d, dtype=dtype, scale=3.0)
+    ma, mb = rand(d, r_m, dtype=dtype, scale=d ** -0.5), rand(r_m, Nb, dtype=dtype, scale=r_m ** -0.5)
+    ha, hb = rand(d, r_h, dtype=dtype, scale=d ** -0.5), rand(r_h, H, dtype=dtype, scale=r_h ** -0.5)
+    mi = torch.full((K,), -7, device="cuda", dtype=torch.int32)
+    hi = torch.full((Kh,), -7, device="cuda", dtype=torch.int32)
+    scores = torch.full((Nb,), float("nan"), device="cuda")
+    kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=Kh, out=(mi, hi), mlp_scores=scores)
+    want_s = ref.predictor_scores(h.double(), ma.double(), mb.double()).amax(0)
+    assert torch.isfinite(scores).all()
+    assert relerr(scores, want_s) < 1e-4  # same rounded inputs, fp32 vs fp64 arithmetic
+    # exact selection rule on the kernel's own scores (ascending, ties toward the lower index) ...
+    assert torch.equal(mi, ref.topk_sorted(scores, K))
+    # ... and the reference's selection up to near-ties of the float64 scores
+    sel = torch.zeros(Nb, dtype=torch.bool, device="cuda")
+    sel[mi.long()] = True
+    if K < Nb:
+        gap = want_s[sel].min() - want_s[~sel].max()
+        assert gap > -1e-3 * want_s.abs().max()
+    want_mi, want_hi = ref.lookahead_predictor(h.double(), ma.double(), mb.double(), ha.double(), hb.double(), K, Kh)
+    assert (mi == want_mi).float().mean() > 0.95
+    assert torch.equal(hi, want_hi) or (hi != want_hi).sum() <= 1  # a float64 near-tie may swap one head
+    assert torch.all(hi[1:] > hi[:-1]) and torch.all(mi[1:] > mi[:-1])
+
+
+def test_predictor_ties_go_to_lower_index():
+    B, d, r, Nb, K = 2, 64, 8, 1000, 37
+    h = rand(B, d, dtype=torch.float16)
+    a = rand(d, r, dtype=torch.float16, scale=0.1)
+    col = rand(r, 1, dtype=torch.float16)
+    b = col.expand(r, Nb).contiguous()  # every unit scores the same
+    b[:, 500] = b[:, 500] + 1.0         # ... except one clear winner (up or down)
+    mi, _ = kernels.predictor(h, a, b, kept_units=K)
+    s = ref.predictor_scores(h.float(), a.float(), b.float()).amax(0)
+    if s[500] > s[0]:
+        want = torch.cat([torch.arange(K - 1), torch.tensor([500])])
+    else:
+        want = torch.arange(K)
+    assert torch.equal(mi.cpu().long(), want.sort().values)
+
+
+# -------------------------------------------------------------------------------------- CUDA graph
+def test_cuda_graph_capture_and_replay():
+    dtype = torch.float16
+    B, d, N, H, Hkv, hd, T = 4, 512, 1024, 8, 4, 64, 64
+    x, p = make_mlp(B, d, N, "silu_glu", dtype)
+    xa, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
+    ma, mb = rand(d, 64, dtype=dtype, scale=d ** -0.5), rand(64, N, dtype=dtype, scale=0.125)
+    ha, hb = rand(d, 32, dtype=dtype, scale=d ** -0.5), rand(32, H, dtype=dtype, scale=0.2)
+    pos = torch.full((B,), 10, device="cuda", dtype=torch.int32)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
+    mi = torch.empty(256, device="cuda", dtype=torch.int32)
+    hi = torch.empty(3, device="cuda", dtype=torch.int32)
+    y = torch.empty(B, d, device="cuda", dtype=dtype)
+    ya = torch.empty(B, d, device="cuda", dtype=dtype)
+
+    def step():
+        kernels.predictor(x, ma, mb, ha, hb, kept_units=256, kept_heads=3, out=(mi, hi))
+        kernels.sparse_mlp(x, mi, activation="silu_glu", out=y, **p)
+        kernels.head_sparse_attention(xa, hi, pos, *w.values(), kc, vc, out=ya, **kw)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up allocates the cached workspaces outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for it in range(3):  # fresh inputs copied into the captured buffers each replay
+        x.copy_(rand(B, d, dtype=dtype))
+        xa.copy_(rand(B, d, dtype=dtype))
+        pos.copy_(torch.randint(0, T, (B,), device="cuda", dtype=torch.int32))
+        kc0, vc0 = kc.clone(), vc.clone()
+        y.fill_(float("nan")); ya.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        want_mi, want_hi = ref.lookahead_predictor(x.double(), ma.double(), mb.double(), ha.double(), hb.double(),
+                                                   256, 3)
+        assert (mi == want_mi).float().mean() > 0.95
+        want_y = ref.sparse_mlp(x.double(), mi, activation="silu_glu", **{k: d64(v) for k, v in p.items()})
+        assert relerr(y, want_y) < TOL[dtype]
+        want_ya, want_k, want_v = attn_ref(xa, hi, pos, w, kc0, vc0, **kw)
+        assert relerr(ya, want_ya) < TOL[dtype]
+        check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype)
