@@ -88,7 +88,7 @@ def load_library():
     lib.djv_head_attention_workspace_size.restype = Z
     lib.djv_head_attention_workspace_size.argtypes = [I] * 8
     lib.djv_head_sparse_attention.restype = I
-    lib.djv_head_sparse_attention.argtypes = [P] * 16 + [I] * 9 + [F, I, I, P, Z, P]
+    lib.djv_head_sparse_attention.argtypes = [P] * 16 + [I] * 8 + [F, I, I, P, Z, P]
     if lib.djv_abi_version() != 1:
         raise KernelsUnavailable(f"{path}: C ABI version {lib.djv_abi_version()}, expected 1")
     _lib = lib

@@ -12,7 +12,7 @@
 
 namespace djv {
 
-constexpr int kTargetCtas = 264;         // ~2 waves of 132 SMs; shape-only so workspace sizes are static
+constexpr int kTargetCtas = 264;         // grid-size goal for the small kernels (~2 CTAs per SM of an H100/H200)
 constexpr size_t kCounterBytes = 65536;  // counter region at the start of every workspace
 constexpr int kMaxCounters = int(kCounterBytes / 4);
 
@@ -280,18 +280,35 @@ __global__ void __launch_bounds__(256) down_kernel(const T* __restrict__ act, in
     }
 }
 
-// Host-side choice of the down kernel's split over rows (shape-only so workspace sizes are static).
+// Host-side split choices. Both GEMV kernels run 2 CTAs of 256 threads per SM (128 registers), so a
+// grid just over a multiple of 2*SMs leaves most SMs idle for a whole extra "wave": we size grids to
+// fill the resident slots instead. Depends on the current device's SM count, so workspace sizes must be
+// queried on the device that runs the op.
+inline int resident_ctas() {
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return 2 * (sms > 0 ? sms : 132);
+}
 inline int down_splits(int d, int Mpad) {
     const int slices = cdiv(d, 128), groups = Mpad / 16;
-    int s = cdiv(kTargetCtas, slices);
+    int s = resident_ctas() / slices;  // one wave, every CTA busy
     const int cap = groups / 8 > 1 ? groups / 8 : 1;  // at least one 16-row group per warp
     return s < 1 ? 1 : (s > cap ? cap : s);
 }
-// Split of the reduction axis for the row-tile GEMV kernels.
+// Split of the reduction axis for the row-tile GEMV kernels: the smallest split whose last wave is
+// >= 95% full (else the best one), keeping >= 512 elements per split.
 inline int tile_ksplit(int tiles, int d) {
-    int s = cdiv(kTargetCtas, tiles > 0 ? tiles : 1);
-    const int cap = d / 512 > 1 ? d / 512 : 1;
-    return s < 1 ? 1 : (s > cap ? cap : s);
+    const int r = resident_ctas();
+    const int cap = d / 512 > 1 ? (d / 512 < 8 ? d / 512 : 8) : 1;
+    int best = 1;
+    double best_eff = 0.0;
+    for (int ks = 1; ks <= cap; ++ks) {
+        const double w = (double)tiles * ks / r;
+        const double eff = w / (double)cdiv(tiles * ks, r);
+        if (eff >= 0.95) return ks;
+        if (eff > best_eff + 1e-9) { best_eff = eff; best = ks; }
+    }
+    return best;
 }
 __host__ __device__ inline int ksplit_chunk(int d, int ks) { return (int)align_up((size_t)cdiv(d, ks), 8); }
 
