@@ -303,6 +303,7 @@ inline int tile_ksplit(int tiles, int d) {
     int best = 1;
     double best_eff = 0.0;
     for (int ks = 1; ks <= cap; ++ks) {
+        if (ks > 1 && d % (ks * 1024)) continue;  // 8 warps x 128 elements per pass: keep warps balanced
         const double w = (double)tiles * ks / r;
         const double eff = w / (double)cdiv(tiles * ks, r);
         if (eff >= 0.95) return ks;
@@ -320,12 +321,10 @@ inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int b
                                T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
     const int S = down_splits(d, Mpad);
     const size_t smem = down_smem(B);
-    static bool attr_set = false;  // raise the dynamic smem cap once per instantiation (not a stream op)
-    if (!attr_set) {
-        cudaError_t e = cudaFuncSetAttribute(down_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024);
-        if (e != cudaSuccess) return e;
-        attr_set = true;
-    }
+    // Set on every launch: each translation unit holds its own copy of this kernel (no -rdc), so a
+    // "done once" flag shared through the inline function would skip the other copies.
+    cudaError_t e = cudaFuncSetAttribute(down_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024);
+    if (e != cudaSuccess) return e;
     dim3 grid(cdiv(d, 128), S);
     down_kernel<T><<<grid, kDownThreads, smem, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, ctr, B, d, S);
     return cudaGetLastError();
