@@ -163,22 +163,35 @@ class KernelOps(TorchOps):
     name = "kernels"
 
     def __init__(self):
-        from .. import kernels  # raises ImportError / DejaVuError when the library is not built
+        from .. import kernels
+        kernels.load_library()  # raises KernelsUnavailable when the library is not built
         self.k = kernels
+        self._rope: dict = {}
 
     def predictor(self, h, lw, kept_units, kept_heads):
-        return self.k.lookahead_predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units, kept_heads)
+        return self.k.predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units=kept_units,
+                                kept_heads=kept_heads)
 
     def mlp(self, x, idx, lw, activation, block_size):
         return self.k.sparse_mlp(x, idx, activation=activation, block_size=block_size, w_up=lw.w_up,
                                  w_down_t=lw.w_down_t, w_gate=lw.w_gate, b_up=lw.b_up, b_down=lw.b_down)
 
+    def _rope_in(self, rope, dtype):
+        """The kernels take every floating tensor in the activation dtype: cast the tables once."""
+        if rope is None:
+            return None, None
+        key = (rope[0].data_ptr(), dtype)
+        if key not in self._rope:
+            self._rope[key] = (rope[0].to(dtype).contiguous(), rope[1].to(dtype).contiguous())
+        return self._rope[key]
+
     def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy):
-        cos, sin = rope if rope is not None else (None, None)
-        return self.k.head_sparse_attention(
+        cos, sin = self._rope_in(rope, x.dtype)
+        y, _, _ = self.k.head_sparse_attention(
             x, head_idx, position, lw.w_q, lw.w_k, lw.w_v, lw.w_o_t, lw.b_q, lw.b_k, lw.b_v, lw.b_o, cos, sin,
             k_cache, v_cache, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
             rotary=int(rope is not None), scale=scale, kv_policy=kv_policy)
+        return y
 
 
 def make_ops(name: str):

@@ -127,7 +127,8 @@ def engine_weights(adapter: FamilyAdapter) -> tuple[dict[str, torch.Tensor], dic
 
 
 def write_engine_package(out: str | Path, *, adapter: FamilyAdapter, tokenizer, predictors: dict[str, torch.Tensor],
-                         config: EngineConfig, plan_file: str | Path | None = None) -> dict:
+                         config: EngineConfig, plan_file: str | Path | None = None,
+                         extra_files: dict[str, str] | None = None) -> dict:
     """Write the package atomically (a failed write leaves the previous package, or none)."""
     from ..artifacts import atomic_dir
 
@@ -142,6 +143,8 @@ def write_engine_package(out: str | Path, *, adapter: FamilyAdapter, tokenizer, 
         save_safetensors(tmp / PREDICTORS_FILE, {k: v.to(dtype) for k, v in predictors.items()},
                          {"format": PREDICTORS_FORMAT})
         tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
         if plan_file is not None:
             shutil.copy2(plan_file, tmp / Path(plan_file).name)
             config.plan = Path(plan_file).name
@@ -160,9 +163,10 @@ def _torch_dtype(name: str) -> torch.dtype:
 def plugin_library() -> Path | None:
     """The kernel/plugin shared library: $DEJAVU_PLUGIN_LIBRARY, else plugins/build/libdejavu_kernels.so."""
     env = os.environ.get(PLUGIN_LIBRARY_ENV)
-    candidates = [Path(env)] if env else []
+    if env:  # an explicit choice is never silently replaced by another copy
+        return Path(env) if Path(env).is_file() else None
     root = Path(__file__).resolve().parents[2]
-    candidates += [root / "plugins" / "build" / "libdejavu_kernels.so", root / "build" / "libdejavu_kernels.so"]
+    candidates = [root / "plugins" / "build" / "libdejavu_kernels.so", root / "build" / "libdejavu_kernels.so"]
     return next((p for p in candidates if p.is_file()), None)
 
 

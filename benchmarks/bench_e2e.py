@@ -1,0 +1,180 @@
+"""End-to-end decode benchmarks on one GPU (see benchmarks/RESULTS.md for recorded runs).
+
+(a) a real engine package (e.g. SmolLM2 built with `dejavu-trt build`): dense vs sparse time between
+    tokens, with the validation perplexities recorded in the package at build time;
+(b) the OPT-13B shape (d=5120, ffn=20480, 40 layers, 40 heads) with random weights and random
+    predictors, speed only, all in one process: the dense executor (cuBLAS, CUDA graph), the sparse
+    executor at 25% MLP / 20% heads kept (kernels, else the torch fallback), HF transformers eager
+    generate, ablations (predictor side stream vs same stream, CUDA graph on/off) and batch 1/4/16.
+
+    python benchmarks/bench_e2e.py --opt13b --json-out results.json
+    python benchmarks/bench_e2e.py --engine engines/smollm2
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dejavu_trt.runtime.bench import copy_bandwidth_gbs, time_mode  # noqa: E402
+
+OPT13B = dict(hidden_size=5120, ffn_dim=20480, num_hidden_layers=40, num_attention_heads=40, vocab_size=50272,
+              max_position_embeddings=2048, word_embed_proj_dim=5120, do_layer_norm_before=True,
+              activation_function="relu", enable_bias=True)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def random_opt(layers: int, device="cuda"):
+    from transformers import OPTConfig, OPTForCausalLM
+    cfg = OPTConfig(**{**OPT13B, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device(device):
+            model = OPTForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval().requires_grad_(False)
+
+
+def weights_from_hf(model, mlp_kept: float, heads_kept: float, rank=(64, 32), max_context=256, kv_policy="dense"):
+    from dejavu_trt.models.adapters import adapter_for
+    from dejavu_trt.runtime.decoder import DecoderWeights
+    from dejavu_trt.runtime.package import EngineConfig, engine_weights
+    ad = adapter_for(model)
+    dims = ad.dims()
+    w, extra = engine_weights(ad)
+    L, dev = dims.num_layers, w["embed_tokens"].device
+    g = torch.Generator(device=dev).manual_seed(1)
+    preds = {}
+    for l in range(L):
+        preds[f"layers.{l}.mlp_a"] = torch.randn(dims.hidden_size, rank[0], generator=g, device=dev, dtype=torch.float16) * 0.05
+        preds[f"layers.{l}.mlp_b"] = torch.randn(rank[0], dims.intermediate_size, generator=g, device=dev, dtype=torch.float16)
+        preds[f"layers.{l}.head_a"] = torch.randn(dims.hidden_size, rank[1], generator=g, device=dev, dtype=torch.float16) * 0.05
+        preds[f"layers.{l}.head_b"] = torch.randn(rank[1], dims.num_heads, generator=g, device=dev, dtype=torch.float16)
+    cfg = EngineConfig("opt-13b-shape-random", dims.to_dict(), "fp16",
+                       [round(mlp_kept * dims.intermediate_size)] * L, [max(1, round(heads_kept * dims.num_heads))] * L,
+                       kv_policy=kv_policy, max_context=max_context, attention_scale=extra["attention_scale"],
+                       position_offset=extra["position_offset"])
+    return DecoderWeights.from_tensors(cfg, w, preds, dev, torch.float16, max_context)
+
+
+def hf_eager_ms(model, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """HF transformers eager generate, greedy: ms per decoded token (prefill excluded by differencing)."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device="cuda")
+
+    def run(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=1)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    run(4)
+    t_short, t_long = run(1), run(1 + new_tokens)
+    return (t_long - t_short) / new_tokens * 1e3
+
+
+def row(name, r, copy_bw):
+    return {"config": name, "batch": r["batch"], "ops": r["ops"], "side_stream": r["side_stream"],
+            "cuda_graph": r["cuda_graph"], "tbt_ms_p50": round(r["tbt_ms_p50"], 3), "tbt_ms_p99": round(r["tbt_ms_p99"], 3),
+            "tbt_ms_mean": round(r["tbt_ms_mean"], 3), "tokens_per_s": round(r["tokens_per_s"], 1),
+            "gb_per_step": round(r["bytes_per_step"] / 1e9, 3), "achieved_gb_s": round(r["achieved_gb_s"], 1),
+            "copy_gb_s": round(copy_bw, 1) if copy_bw else None}
+
+
+def bench_opt13b(args) -> list[dict]:
+    copy_bw = copy_bandwidth_gbs("cuda")
+    log(f"device {torch.cuda.get_device_name()}, copy bandwidth (read+write) {copy_bw:.0f} GB/s")
+    t0 = time.perf_counter()
+    model = random_opt(args.layers)
+    log(f"random OPT-13B-shape model ({args.layers} layers) on GPU in {time.perf_counter() - t0:.1f}s")
+    rows = []
+    kw = dict(steps=args.steps, warmup=args.warmup, prompt_len=args.prompt_len)
+    T = args.prompt_len + args.warmup + args.steps + 4
+    w_dense_kv = weights_from_hf(model, 0.25, 0.2, max_context=T, kv_policy="dense")
+    w_active = weights_from_hf(model, 0.25, 0.2, max_context=T, kv_policy="active")
+
+    def measure(name, w, **k):
+        try:
+            r = time_mode(w, max_context=T, **kw, **k)
+        except Exception as e:  # noqa: BLE001 - record and keep going: one failing config must not lose the rest
+            log(f"{name}: FAILED {e.__class__.__name__}: {str(e)[:300]}")
+            return
+        rows.append(row(name, r, copy_bw))
+        log(json.dumps(rows[-1]))
+        torch.cuda.empty_cache()
+
+    for b in args.batches:
+        measure("dense (cuBLAS, CUDA graph)", w_dense_kv, dense=True, batch=b)
+        measure("sparse 25%/20%, kv dense", w_dense_kv, dense=False, batch=b, ops=args.ops)
+        measure("sparse 25%/20%, kv active", w_active, dense=False, batch=b, ops=args.ops)
+    measure("ablation: sparse kv active, same stream", w_active, dense=False, batch=1, ops=args.ops, side_stream=False)
+    measure("ablation: sparse kv active, no CUDA graph", w_active, dense=False, batch=1, ops=args.ops, cuda_graph=False)
+    measure("ablation: dense, no CUDA graph", w_dense_kv, dense=True, batch=1, cuda_graph=False)
+    if args.ops != "torch":
+        measure("ablation: sparse kv active, torch fallback ops", w_active, dense=False, batch=1, ops="torch")
+    del w_dense_kv, w_active
+    gc.collect()
+    torch.cuda.empty_cache()
+    for b in args.hf_batches:
+        try:
+            ms = hf_eager_ms(model, b, args.prompt_len, args.hf_tokens)
+            rows.append({"config": "HF transformers eager generate", "batch": b, "tbt_ms_mean": round(ms, 3),
+                         "tokens_per_s": round(b * 1e3 / ms, 1)})
+            log(json.dumps(rows[-1]))
+        except Exception as e:  # noqa: BLE001
+            log(f"HF eager batch {b}: FAILED {e.__class__.__name__}: {str(e)[:300]}")
+    return rows
+
+
+def bench_engine_dir(args) -> dict:
+    from dejavu_trt.runtime.bench import bench_engine
+    from dejavu_trt.runtime.engine import Engine
+    eng = Engine.load(args.engine, ops=args.ops, max_context=args.prompt_len + args.warmup + args.steps + 4)
+    res = bench_engine(eng.weights, batch=1, steps=args.steps, warmup=args.warmup, prompt_len=args.prompt_len, ops=args.ops)
+    res["validation_ppl"] = {k: eng.config.build.get(k) for k in ("dense_ppl", "sparse_ppl")}
+    log(json.dumps(res, indent=2))
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--opt13b", action="store_true", help="run (b), the OPT-13B-shape speed benchmark")
+    p.add_argument("--engine", help="run (a) on this engine package")
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--ops", default="auto", help="sparse op backend: auto, kernels, torch")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--hf-batches", type=int, nargs="*", default=[1])
+    p.add_argument("--hf-tokens", type=int, default=32)
+    p.add_argument("--json-out")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_e2e: no CUDA device (torch.cuda.is_available() is False); nothing to measure", file=sys.stderr)
+        return 2
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.engine:
+        out["engine"] = bench_engine_dir(args)
+    if args.opt13b:
+        out["opt13b"] = bench_opt13b(args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

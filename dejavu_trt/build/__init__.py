@@ -1,0 +1,1 @@
+"""`dejavu-trt build`: the whole pipeline from a model to an engine package."""

@@ -1,0 +1,160 @@
+"""CUDA executor against the CPU reference (skipped without CUDA).
+
+Models are small random LLaMA (GQA, RoPE) and OPT (biases, learned positions) built in the test,
+so nothing has to be carried to the GPU machine. Sparse mode is checked with the indices the GPU
+chose replayed into the fp32 reference (top-k at a near-tie may legitimately differ between fp16
+and fp32 scores); the selections themselves are checked to agree almost everywhere.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+
+
+def _model(family: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+    torch.manual_seed(0)
+    if family == "llama":
+        cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
+        return LlamaForCausalLM(cfg).eval()
+    cfg = OPTConfig(vocab_size=512, hidden_size=256, ffn_dim=1024, num_hidden_layers=3, num_attention_heads=4,
+                    max_position_embeddings=256, word_embed_proj_dim=256)
+    return OPTForCausalLM(cfg).eval()
+
+
+def _weights(family, device, dtype, kept=0.25, heads=0.5, kv_policy="dense"):
+    from dejavu_trt.models.adapters import adapter_for
+    from dejavu_trt.runtime.decoder import DecoderWeights
+    from dejavu_trt.runtime.package import EngineConfig, engine_weights
+
+    ad = adapter_for(_model(family))
+    dims = ad.dims()
+    w, extra = engine_weights(ad)
+    g = torch.Generator().manual_seed(1)
+    preds = {}
+    for l in range(dims.num_layers):
+        preds[f"layers.{l}.mlp_a"] = torch.randn(dims.hidden_size, 16, generator=g) * 0.1
+        preds[f"layers.{l}.mlp_b"] = torch.randn(16, dims.intermediate_size, generator=g)
+        preds[f"layers.{l}.head_a"] = torch.randn(dims.hidden_size, 8, generator=g) * 0.1
+        preds[f"layers.{l}.head_b"] = torch.randn(8, dims.num_heads, generator=g)
+    L = dims.num_layers
+    cfg = EngineConfig("test", dims.to_dict(), "fp16", [int(kept * dims.intermediate_size)] * L,
+                       [max(1, int(heads * dims.num_heads))] * L, kv_policy=kv_policy, max_context=64,
+                       attention_scale=extra["attention_scale"], position_offset=extra["position_offset"])
+    # Round through the GPU dtype so the fp32 reference sees the very same weights.
+    w = {k: v.to(dtype) for k, v in w.items()}
+    preds = {k: v.to(dtype) for k, v in preds.items()}
+    return (DecoderWeights.from_tensors(cfg, w, preds, device, dtype),
+            DecoderWeights.from_tensors(cfg, w, preds, "cpu", torch.float32))
+
+
+class _Recording:
+    """Wraps an op backend and records each predictor call's output (in call order)."""
+
+    def __init__(self, inner, replay=None):
+        self.inner, self.replay, self.calls = inner, replay, []
+        self.name = inner.name
+
+    def predictor(self, h, lw, k, kh):
+        if self.replay is not None:
+            m, hh = self.replay.pop(0)
+            return m.to(h.device), hh.to(h.device)
+        out = self.inner.predictor(h, lw, k, kh)
+        self.calls.append(tuple(t.cpu() for t in out))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _decode(ex, prompt, steps):
+    out = [ex.prefill(prompt).float().cpu()]
+    for _ in range(steps):
+        out.append(ex.step().float().cpu().clone())
+    return torch.stack(out)
+
+
+def _tol(ref):
+    return 2e-2 * ref.abs().max().item() + 1e-2
+
+
+def _ops_list():
+    from dejavu_trt import kernels
+    out = ["torch"]
+    try:
+        kernels.load_library()
+        out.append("kernels")
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dense_matches_reference(family, batch):
+    from dejavu_trt.runtime.executor import Executor
+    gw, cw = _weights(family, "cuda", torch.float16)
+    prompt = torch.randint(0, 512, (batch, 7), generator=torch.Generator().manual_seed(2))
+    gpu = _decode(Executor(gw, dense=True, ops="torch", batch=batch, max_context=32), prompt, 6)
+    ref = _decode(Executor(cw, dense=True, ops="reference", batch=batch, max_context=32), prompt, 6)
+    # Greedy continuations can diverge after a near-tie, so compare step 0 and the prompt-driven prefill
+    # strictly and later steps only while the chosen tokens agree.
+    agree = (gpu.argmax(-1) == ref.argmax(-1)).all(-1).cumprod(0).bool()
+    assert agree[0]
+    torch.testing.assert_close(gpu[agree], ref[agree], atol=_tol(ref), rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("ops", _ops_list())
+@pytest.mark.parametrize("kv_policy", ["dense", "active"])
+def test_sparse_matches_reference(family, ops, kv_policy):
+    from dejavu_trt.runtime.executor import Executor
+    gw, cw = _weights(family, "cuda", torch.float16, kv_policy=kv_policy)
+    prompt = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(3))
+    gex = Executor(gw, ops=ops, max_context=32, cuda_graph=False)
+    rec = _Recording(gex.ops)
+    gex.decoder.ops = rec
+    gpu = _decode(gex, prompt, 5)
+    cex = Executor(cw, ops="reference", max_context=32)
+    cex.decoder.ops = _Recording(cex.ops, replay=list(rec.calls))
+    # Force the reference onto the GPU's greedy tokens so both see the same inputs.
+    out = [cex.prefill(prompt)]
+    toks = gpu.argmax(-1)
+    for t in range(5):
+        out.append(cex.step(toks[t]).clone())
+    ref = torch.stack(out)
+    torch.testing.assert_close(gpu[:1], ref[:1], atol=_tol(ref), rtol=0)
+    torch.testing.assert_close(gpu, ref, atol=_tol(ref), rtol=0)
+    # The GPU predictor agrees with the fp32 reference predictor on almost every unit.
+    from dejavu_trt.ops.reference import lookahead_predictor
+    lw = cw.layers[0]
+    h = cw.embed[toks[0].cpu()].float()[None]
+    m_ref, _ = lookahead_predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, cw.config.mlp_kept_units[0],
+                                   cw.config.heads_kept[0])
+    overlap = len(set(m_ref.tolist()) & set(rec.calls[0][0].tolist())) / m_ref.numel()
+    assert overlap >= 0.9
+
+
+@pytest.mark.parametrize("ops", _ops_list())
+@pytest.mark.parametrize("batch", [1, 16])
+def test_graph_and_side_stream_do_not_change_results(ops, batch):
+    from dejavu_trt.runtime.executor import Executor
+    gw, _ = _weights("llama", "cuda", torch.float16)
+    prompt = torch.randint(0, 512, (batch, 5), generator=torch.Generator().manual_seed(4))
+    base = _decode(Executor(gw, ops=ops, batch=batch, max_context=32, cuda_graph=False, side_stream=False), prompt, 6)
+    for graph, side in [(True, True), (True, False), (False, True)]:
+        got = _decode(Executor(gw, ops=ops, batch=batch, max_context=32, cuda_graph=graph, side_stream=side), prompt, 6)
+        torch.testing.assert_close(got, base, atol=1e-3, rtol=0)
+
+
+def test_out_of_memory_names_sizes():
+    from dejavu_trt.errors import DejaVuError
+    from dejavu_trt.runtime.executor import Executor
+    gw, _ = _weights("opt", "cuda", torch.float16)
+    free, _total = torch.cuda.mem_get_info()
+    huge = int(free // (2 * 64 * 2 * 3)) * 4  # a context whose KV cache cannot fit
+    with pytest.raises(DejaVuError, match=r"out of memory allocating the KV cache .* GiB"):
+        Executor(gw, batch=16, max_context=huge)
