@@ -49,3 +49,65 @@ def cli(capsys):
         out = capsys.readouterr()
         return code, out.out, out.err
     return run
+
+
+# --- calibrated + trained work dirs (calibration/predictors engineer) ------------------------------
+# Built once and cached under $DEJAVU_TRT_CACHE/test-workdirs, keyed by a hash of the code that
+# produces them, so a code change rebuilds them. Treat them as read-only: copy one before editing it.
+SMOLLM2_TEST_TOKENS = 8192
+TINY_OPT_TEST_TOKENS = 4096
+
+
+def _code_key(*extra) -> str:
+    import hashlib
+    from pathlib import Path
+
+    import dejavu_trt
+    root = Path(dejavu_trt.__file__).parent
+    h = hashlib.sha256(repr(extra).encode())
+    for sub in ("calibrate", "predictors", "models", "data", "ops"):
+        for p in sorted((root / sub).glob("*.py")):
+            h.update(p.name.encode() + p.read_bytes())
+    for name in ("artifacts.py", "__init__.py"):
+        h.update((root / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _trained_workdir(name: str, model: str, tokens: int):
+    """Calibrate `model` on SOTU and train predictors, once per code version; returns the dir."""
+    import shutil
+
+    from dejavu_trt.calibrate import calibrate, open_workdir
+    from dejavu_trt.errors import ArtifactError
+    from dejavu_trt.paths import cache_dir
+    from dejavu_trt.predictors import PREDICTORS_FILE
+    from dejavu_trt.predictors.training import train_workdir
+
+    base = cache_dir() / "test-workdirs"
+    path = base / f"{name}-{_code_key(model, tokens)}"
+    try:
+        wd = open_workdir(path)
+        if PREDICTORS_FILE in wd.manifest["files"]:
+            return path
+    except ArtifactError:
+        pass
+    if base.is_dir():  # drop copies built by older code (they are large)
+        for old in base.glob(f"{name}-*"):
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+    calibrate(model, "sotu", tokens, path, progress=False)
+    train_workdir(path, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_workdir():
+    """Work dir of SmolLM2-135M calibrated on 8192 SOTU tokens (+2048 validation) with trained
+    predictors (predictors.safetensors, predictors_report.json). Read-only."""
+    return _trained_workdir("smollm2", "smollm2-135m", SMOLLM2_TEST_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_workdir(tiny_opt_dir):
+    """Work dir of the tiny OPT calibrated on 4096 SOTU tokens with trained predictors. Read-only."""
+    return _trained_workdir("tiny-opt", str(tiny_opt_dir), TINY_OPT_TEST_TOKENS)
