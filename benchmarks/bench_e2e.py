@@ -158,7 +158,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--hf-batches", type=int, nargs="*", default=[1])
+    p.add_argument("--hf-batches", type=int, nargs="*", default=[1, 4, 16])
     p.add_argument("--hf-tokens", type=int, default=32)
     p.add_argument("--json-out")
     args = p.parse_args(argv)
