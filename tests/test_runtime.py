@@ -86,6 +86,8 @@ def test_dense_executor_matches_hf(family):
         ref = model(ids).logits
     for ops in ("reference", "torch"):
         dw = DecoderWeights.from_tensors(cfg, w, _predictors(dims))
+        if ops == "torch":
+            dw.add_dense_layout()  # what a CUDA dense executor uses (HF-layout down/out projections)
         for dense in (True, False):  # sparse with every unit kept is dense
             ex = Executor(dw, dense=dense, ops=ops, batch=2, max_context=16)
             got = [ex.prefill(ids[:, :5])] + [ex.step(ids[:, t]).clone() for t in range(5, 9)]

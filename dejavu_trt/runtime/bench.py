@@ -64,7 +64,7 @@ def time_mode(weights: DecoderWeights, *, dense: bool, batch: int = 1, steps: in
                     kv_policy=kv_policy or cfg.kv_policy, context=ctx, batch=batch,
                     predictor_rank=predictor_rank(weights))
     mean = statistics.fmean(tbt)
-    return {"mode": "dense" if dense else "sparse", "batch": batch, "ops": ex.ops.name,
+    return {"mode": "dense" if dense else "sparse", "batch": batch, "ops": "cublas" if dense and ex.cuda else ex.ops.name,
             "side_stream": ex.decoder.side_stream is not None, "cuda_graph": ex.use_graph,
             "steps": steps, "tbt_ms_p50": percentile(tbt, 50), "tbt_ms_p99": percentile(tbt, 99),
             "tbt_ms_mean": mean, "tokens_per_s": batch * 1e3 / mean, "bytes_per_step": sb.total,

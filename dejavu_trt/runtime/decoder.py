@@ -72,6 +72,14 @@ class DecoderWeights:
         return cls(config, dims, dev, dt, embed, put(weights.get("embed_positions")),
                    (put(weights["final_norm.weight"]), put(weights.get("final_norm.bias"))), lm_head, layers, rope)
 
+    def add_dense_layout(self) -> None:
+        """HF-layout copies of the down and output projections ([d, N], [d, H*hd]) for the dense baseline,
+        whose cuBLAS GEMVs are fastest in that layout. Costs their bytes once more on the device."""
+        for lw in self.layers:
+            if lw.get("w_down") is None:
+                lw["w_down"] = lw["w_down_t"].T.contiguous()
+                lw["w_o"] = lw["w_o_t"].T.contiguous()
+
     @classmethod
     def from_package(cls, pkg: EnginePackage, device="cpu", dtype=None, max_context=None) -> "DecoderWeights":
         return cls.from_tensors(pkg.config, pkg.weights, pkg.predictors, device, dtype, max_context)
@@ -154,6 +162,7 @@ class Decoder:
         idx: list = [None] * L
         events: list = [None] * L
         inputs = [h]  # kept alive for the whole step: the side stream may still be reading them
+        ctx = self.ops.step_context(position, k_caches[0].shape[2], rope)
         sparse = not self.dense
         if sparse:
             self._predict(0, h, idx)
@@ -169,9 +178,10 @@ class Decoder:
             if sparse:
                 mlp_idx, head_idx = idx[i]
                 y = self.ops.attention(x, head_idx, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale,
-                                       rope=rope, kv_policy=self.kv_policy)
+                                       rope=rope, kv_policy=self.kv_policy, ctx=ctx)
             else:
-                y = self.ops.dense_attention(x, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale, rope=rope)
+                y = self.ops.dense_attention(x, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale, rope=rope,
+                                             ctx=ctx)
             h = h + y
             x = self.norm(h, "mlp_norm", lw)
             if sparse:

@@ -60,6 +60,8 @@ class Executor:
             raise DejaVuError(f"max context {self.T} exceeds the RoPE table ({weights.rope[0].shape[0]}) "
                               f"these weights were loaded with")
         self.dense = dense
+        if dense and self.cuda:
+            weights.add_dense_layout()
         self.use_graph = cuda_graph and self.cuda
         stream = torch.cuda.Stream(device=self.device) if (side_stream and self.cuda and not dense) else None
         self.decoder = Decoder(weights, self.ops, dense=dense, kv_policy=kv_policy, side_stream=stream)

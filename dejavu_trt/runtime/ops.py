@@ -21,6 +21,19 @@ from ..ops import reference as ref
 from ..ops.contract import PREDICTOR_EPS
 
 
+class StepContext:
+    """Per-step tensors every layer's attention needs, computed once per decode step, not per layer."""
+
+    def __init__(self, position: torch.Tensor, T: int, rope):
+        B = position.shape[0]
+        self.pos = position.long()
+        self.rows = torch.arange(B, device=position.device)[:, None]
+        self.mask = (torch.arange(T, device=position.device)[None, :] <= self.pos[:, None])[:, None, None, :]
+        self.cos = self.sin = None
+        if rope is not None:
+            self.cos, self.sin = rope[0][self.pos][:, None, :], rope[1][self.pos][:, None, :]
+
+
 class LayerWeights(dict):
     """One layer's tensors by contract name (w_q, w_up, ...), plus predictor tensors (mlp_a, ...)."""
 
@@ -40,8 +53,11 @@ class ReferenceOps:
         return ref.sparse_mlp(x, idx, activation=activation, block_size=block_size, w_up=lw.w_up,
                               w_down_t=lw.w_down_t, w_gate=lw.w_gate, b_up=lw.b_up, b_down=lw.b_down)
 
+    def step_context(self, position, T, rope):
+        return None
+
     def attention(self, x, head_idx, position, lw: LayerWeights, k_cache, v_cache, *, dims, scale, rope,
-                  kv_policy: str):
+                  kv_policy: str, ctx=None):
         cos, sin = rope if rope is not None else (torch.zeros(1), torch.zeros(1))
         y, kc, vc = ref.head_sparse_attention(
             x, head_idx, position, lw.w_q, lw.w_k, lw.w_v, lw.w_o_t, lw.b_q, lw.b_k, lw.b_v, lw.b_o, cos, sin,
@@ -55,7 +71,7 @@ class ReferenceOps:
         n_units = lw.w_up.shape[0] // block_size
         return self.mlp(x, torch.arange(n_units, dtype=torch.int32, device=x.device), lw, activation, block_size)
 
-    def dense_attention(self, x, position, lw, k_cache, v_cache, *, dims, scale, rope):
+    def dense_attention(self, x, position, lw, k_cache, v_cache, *, dims, scale, rope, ctx=None):
         heads = torch.arange(dims.num_heads, dtype=torch.int32, device=x.device)
         return self.attention(x, heads, position, lw, k_cache, v_cache, dims=dims, scale=scale, rope=rope,
                               kv_policy="dense")
@@ -87,34 +103,27 @@ class TorchOps(ReferenceOps):
         y = a @ lw.w_down_t.index_select(0, j)
         return y + lw.b_down if activation != "silu_glu" and lw.b_down is not None else y
 
+    def step_context(self, position, T, rope):
+        return StepContext(position, T, rope)
+
     def dense_mlp(self, x, lw, activation, block_size):
-        up = F.linear(x, lw.w_up)
         if activation == "silu_glu":
-            a = F.silu(F.linear(x, lw.w_gate)) * up
+            a = F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up)
         else:
-            up = up + lw.b_up
+            up = F.linear(x, lw.w_up, lw.b_up)
             a = torch.relu(up) if activation == "relu" else F.gelu(up)
-        y = a @ lw.w_down_t
-        return y + lw.b_down if activation != "silu_glu" and lw.b_down is not None else y
+        b_down = lw.b_down if activation != "silu_glu" else None
+        if lw.w_down is not None:  # HF layout [d, N], kept for the dense baseline: cuBLAS's fastest GEMV
+            return F.linear(a, lw.w_down, b_down)
+        return a @ lw.w_down_t if b_down is None else torch.addmm(b_down, a, lw.w_down_t)
 
     @staticmethod
-    def _write_kv(k_cache, v_cache, k, v, kv_heads, position):
-        B = k.shape[0]
-        rows = torch.arange(B, device=k.device)[:, None]
-        pos = position.long()[:, None]
-        k_cache.index_put_((rows, kv_heads[None, :], pos), k.to(k_cache.dtype))
-        v_cache.index_put_((rows, kv_heads[None, :], pos), v.to(v_cache.dtype))
+    def _write_kv(k_cache, v_cache, k, v, kv_heads, ctx):
+        k_cache.index_put_((ctx.rows, kv_heads[None, :], ctx.pos[:, None]), k.to(k_cache.dtype))
+        v_cache.index_put_((ctx.rows, kv_heads[None, :], ctx.pos[:, None]), v.to(v_cache.dtype))
 
-    @staticmethod
-    def _attend(q, kk, vv, position, scale):
-        """q [B,h,hd], kk/vv [B,h,T,hd] -> o [B,h,hd] over slots 0..position[b]."""
-        T = kk.shape[2]
-        valid = torch.arange(T, device=q.device)[None, :] <= position.long()[:, None]
-        o = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=valid[:, None, None, :],
-                                           scale=scale)
-        return o[:, :, 0, :]
-
-    def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy):
+    def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy, ctx=None):
+        ctx = ctx or StepContext(position, k_cache.shape[2], rope)
         B, d = x.shape
         H, Hkv, hd = dims.num_heads, dims.num_kv_heads, dims.head_dim
         group = H // Hkv
@@ -131,30 +140,30 @@ class TorchOps(ReferenceOps):
                  + lw.b_v.view(Hkv, hd)[kv_heads].reshape(-1)).view(B, -1, hd)
         q = (F.linear(x, lw.w_q.view(H, hd, d)[heads].reshape(-1, d))
              + lw.b_q.view(H, hd)[heads].reshape(-1)).view(B, -1, hd)
-        if rope is not None:
-            cos, sin = rope[0][position.long()][:, None, :], rope[1][position.long()][:, None, :]
-            k, q = ref.apply_rope(k, cos, sin).to(x.dtype), ref.apply_rope(q, cos, sin).to(x.dtype)
-        self._write_kv(k_cache, v_cache, k, v, kv_heads, position)
+        if ctx.cos is not None:
+            k, q = ref.apply_rope(k, ctx.cos, ctx.sin).to(x.dtype), ref.apply_rope(q, ctx.cos, ctx.sin).to(x.dtype)
+        self._write_kv(k_cache, v_cache, k, v, kv_heads, ctx)
         g = heads // group
-        o = self._attend(q, k_cache[:, g], v_cache[:, g], position, scale)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[:, g], v_cache[:, g], attn_mask=ctx.mask,
+                                           scale=scale)[:, :, 0, :]
         w_o = lw.w_o_t.view(H, hd, d)[heads].reshape(-1, d)
-        return o.reshape(B, -1) @ w_o + lw.b_o
+        return torch.addmm(lw.b_o, o.reshape(B, -1), w_o)
 
-    def dense_attention(self, x, position, lw, k_cache, v_cache, *, dims, scale, rope):
+    def dense_attention(self, x, position, lw, k_cache, v_cache, *, dims, scale, rope, ctx=None):
+        ctx = ctx or StepContext(position, k_cache.shape[2], rope)
         B, d = x.shape
         H, Hkv, hd = dims.num_heads, dims.num_kv_heads, dims.head_dim
         q = F.linear(x, lw.w_q, lw.b_q).view(B, H, hd)
         k = F.linear(x, lw.w_k, lw.b_k).view(B, Hkv, hd)
         v = F.linear(x, lw.w_v, lw.b_v).view(B, Hkv, hd)
-        if rope is not None:
-            cos, sin = rope[0][position.long()][:, None, :], rope[1][position.long()][:, None, :]
-            k, q = ref.apply_rope(k, cos, sin).to(x.dtype), ref.apply_rope(q, cos, sin).to(x.dtype)
-        self._write_kv(k_cache, v_cache, k, v, torch.arange(Hkv, device=x.device), position)
-        T = k_cache.shape[2]
-        valid = torch.arange(T, device=x.device)[None, :] <= position.long()[:, None]
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache, v_cache, attn_mask=valid[:, None, None, :],
-                                           scale=scale, enable_gqa=H != Hkv)
-        return F.linear(o.reshape(B, H * hd), lw.w_o_t.T, lw.b_o)
+        if ctx.cos is not None:
+            k, q = ref.apply_rope(k, ctx.cos, ctx.sin).to(x.dtype), ref.apply_rope(q, ctx.cos, ctx.sin).to(x.dtype)
+        self._write_kv(k_cache, v_cache, k, v, torch.arange(Hkv, device=x.device), ctx)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k_cache, v_cache, attn_mask=ctx.mask, scale=scale,
+                                           enable_gqa=H != Hkv).reshape(B, H * hd)
+        if lw.w_o is not None:
+            return F.linear(o, lw.w_o, lw.b_o)
+        return torch.addmm(lw.b_o, o, lw.w_o_t)
 
 
 class KernelOps(TorchOps):
@@ -185,7 +194,7 @@ class KernelOps(TorchOps):
             self._rope[key] = (rope[0].to(dtype).contiguous(), rope[1].to(dtype).contiguous())
         return self._rope[key]
 
-    def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy):
+    def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy, ctx=None):
         cos, sin = self._rope_in(rope, x.dtype)
         y, _, _ = self.k.head_sparse_attention(
             x, head_idx, position, lw.w_q, lw.w_k, lw.w_v, lw.w_o_t, lw.b_q, lw.b_k, lw.b_v, lw.b_o, cos, sin,

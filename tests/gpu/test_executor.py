@@ -131,7 +131,7 @@ def test_sparse_matches_reference(family, ops, kv_policy):
     # The GPU predictor agrees with the fp32 reference predictor on almost every unit.
     from dejavu_trt.ops.reference import lookahead_predictor
     lw = cw.layers[0]
-    h = cw.embed[toks[0].cpu()].float()[None]
+    h = cex.decoder.embed(toks[0].cpu(), torch.tensor([prompt.shape[1]], dtype=torch.int32)).float()
     m_ref, _ = lookahead_predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, cw.config.mlp_kept_units[0],
                                    cw.config.heads_kept[0])
     overlap = len(set(m_ref.tolist()) & set(rec.calls[0][0].tolist())) / m_ref.numel()
