@@ -93,6 +93,36 @@ def row(name, r, copy_bw):
             "copy_gb_s": round(copy_bw, 1) if copy_bw else None}
 
 
+def predictor_only(w, ops: str, reps: int = 20) -> dict:
+    """Time the 40 predictor calls of one decode step alone (CUDA graph), to see if the side stream keeps up."""
+    from dejavu_trt.runtime.ops import make_ops
+    o = make_ops(ops)
+    h = torch.randn(1, w.dims.hidden_size, device="cuda", dtype=w.dtype)
+    cfg = w.config
+
+    def body():
+        for l, lw in enumerate(w.layers):
+            o.predictor(h, lw, cfg.mlp_kept_units[l], cfg.heads_kept[l])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    ms = a.elapsed_time(b) / reps
+    return {"config": f"predictors only ({ops}), {len(w.layers)} layers", "batch": 1, "tbt_ms_mean": round(ms, 3),
+            "us_per_layer": round(ms * 1e3 / len(w.layers), 1)}
+
+
 def bench_opt13b(args) -> list[dict]:
     copy_bw = copy_bandwidth_gbs("cuda")
     log(f"device {torch.cuda.get_device_name()}, copy bandwidth (read+write) {copy_bw:.0f} GB/s")
@@ -124,6 +154,11 @@ def bench_opt13b(args) -> list[dict]:
     measure("ablation: dense, no CUDA graph", w_dense_kv, dense=True, batch=1, cuda_graph=False)
     if args.ops != "torch":
         measure("ablation: sparse kv active, torch fallback ops", w_active, dense=False, batch=1, ops="torch")
+        measure("ablation: sparse kv active, kernels + torch predictor", w_active, dense=False, batch=1,
+                ops="kernels+torch-predictor")
+        for ops in ("kernels", "torch"):
+            rows.append(predictor_only(w_active, ops))
+            log(json.dumps(rows[-1]))
     del w_dense_kv, w_active
     gc.collect()
     torch.cuda.empty_cache()

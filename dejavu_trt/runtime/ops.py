@@ -171,13 +171,18 @@ class KernelOps(TorchOps):
 
     name = "kernels"
 
-    def __init__(self):
+    def __init__(self, torch_predictor: bool = False):
         from .. import kernels
         kernels.load_library()  # raises KernelsUnavailable when the library is not built
         self.k = kernels
         self._rope: dict = {}
+        self.torch_predictor = torch_predictor
+        if torch_predictor:
+            self.name = "kernels+torch-predictor"
 
     def predictor(self, h, lw, kept_units, kept_heads):
+        if self.torch_predictor:
+            return TorchOps.predictor(self, h, lw, kept_units, kept_heads)
         return self.k.predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units=kept_units,
                                 kept_heads=kept_heads)
 
@@ -209,6 +214,8 @@ def make_ops(name: str):
         return ReferenceOps()
     if name == "torch":
         return TorchOps()
+    if name == "kernels+torch-predictor":
+        return KernelOps(torch_predictor=True)
     if name in ("kernels", "auto"):
         try:
             return KernelOps()
