@@ -1,0 +1,105 @@
+"""`dejavu-trt build` end to end on SmolLM2, its stage cache, and its input errors.
+
+The end-to-end test reuses the session's calibrated SmolLM2 work dir (`--workdir`, the same stages
+`build` would run itself) so that only build's own stages run here.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("args, message", [
+    (["opt-13b", "--sparsity", "0.5"], "not available locally"),
+    (["./no/such/model", "--sparsity", "0.5"], "does not exist"),
+    (["smollm2-135m"], "give --sparsity"),
+    (["smollm2-135m", "--sparsity", "1.5"], "(0, 1]"),
+    (["smollm2-135m", "--sparsity", "0.5", "--dtype", "int8"], "--dtype"),
+    (["smollm2-135m", "--sparsity", "0.5", "--max-ppl-increase", "0.05"], "not both"),
+])
+def test_build_rejects_bad_input_before_any_work(cli, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("build", *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "work").exists() and not (tmp_path / "engines").exists()
+
+
+def test_stage_cache_resumes_and_reruns_on_change(tmp_path):
+    from dejavu_trt.build.stages import StageLog
+    calls = []
+    out = tmp_path / "a.txt"
+
+    def stage():
+        calls.append(1)
+        out.write_text("x")
+    log = StageLog.open(tmp_path)
+    k1 = log.run("s", {"p": 1}, "", [out], stage, say=lambda m: None)
+    log = StageLog.open(tmp_path)               # a later run
+    assert log.run("s", {"p": 1}, "", [out], stage, say=lambda m: None) == k1 and len(calls) == 1
+    assert log.cached == ["s"]
+    log.run("s", {"p": 2}, "", [out], stage, say=lambda m: None)   # changed input -> re-run
+    assert len(calls) == 2
+    out.unlink()                                  # missing output -> re-run
+    log.run("s", {"p": 2}, "", [out], stage, say=lambda m: None)
+    assert len(calls) == 3
+
+
+def _reference_greedy(lm, plan, predictors, prompt_ids, n):
+    """The PyTorch sparse reference: dense prefill, then predicted-sparse decode through HF's KV cache."""
+    from transformers import DynamicCache
+
+    from dejavu_trt.build.steps import TensorScorer
+    from dejavu_trt.sparsity.reference import sparse_model
+    cache = DynamicCache(config=lm.model.config)
+    out = []
+    with torch.no_grad():
+        logits = lm.model(prompt_ids[None], cache=cache, use_cache=True).logits[0, -1]
+        with sparse_model(lm.adapter, plan, "predicted", TensorScorer(predictors)):
+            for _ in range(n):
+                tok = int(logits.argmax())
+                if tok == lm.tokenizer.eos_token_id:
+                    break
+                out.append(tok)
+                logits = lm.model(torch.tensor([[tok]]), cache=cache, use_cache=True).logits[0, -1]
+    return out
+
+
+@pytest.mark.slow
+def test_build_then_generate_equals_sparse_reference(cli, tmp_path, monkeypatch, smollm2_workdir, smollm2):
+    from dejavu_trt.artifacts import load_safetensors
+    from dejavu_trt.sparsity.plan import SparsityPlan
+
+    monkeypatch.chdir(tmp_path)
+    args = ["build", "smollm2-135m", "--sparsity", "0.5", "--dtype", "fp32", "--workdir", smollm2_workdir,
+            "--tokens", "1024", "--max-context", "128", "--no-progress", "--out", "engines/sm"]
+    code, out, err = cli(*args)
+    assert code == 0, err
+    engine = tmp_path / "engines" / "sm"
+    for line in ("engine package: engines/sm", "build report:", "rewritten ONNX: export/sm/decode.sparse.onnx",
+                 "validation perplexity: dense", "expected speedup"):
+        assert line in out
+    assert "TensorRT" in out  # either the plan or the one line saying TensorRT is absent
+    assert (tmp_path / "export" / "sm" / "decode.sparse.onnx").is_file()
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["op_contract_version"] == "1" and "weights.safetensors" in manifest["files"]
+    assert manifest["config"]["mlp_kept_units"] == [768] * 30
+    report = (engine / "BUILD_REPORT.md").read_text()
+    assert "| dense |" in report and "Expected speedup" in report
+
+    prompt = "The state of the union is"
+    code, text, err = cli("generate", engine, "--prompt", prompt, "--max-new-tokens", "12")
+    assert code == 0, err
+    plan = SparsityPlan.load(tmp_path / "work" / "sm", smollm2.dims)
+    predictors, _ = load_safetensors(engine / "predictors.safetensors")
+    ids = smollm2.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+    ref_ids = _reference_greedy(smollm2, plan, predictors, ids, 12)
+    assert text == smollm2.tokenizer.decode(ref_ids, skip_special_tokens=True) + "\n"
+    dense_ref = _reference_greedy(smollm2, SparsityPlan.dense(smollm2.dims), predictors, ids, 12)
+    code, dense_text, _ = cli("generate", engine, "--prompt", prompt, "--max-new-tokens", "12", "--dense")
+    assert dense_text == smollm2.tokenizer.decode(dense_ref, skip_special_tokens=True) + "\n"
+
+    code, out, err = cli(*args)                     # re-run: every cached stage is reused
+    assert code == 0, err
+    assert "reused cached stages: sparsity, evaluate, export, rewrite" in out
