@@ -58,12 +58,29 @@ def graph_time(fn_list, replays=30):
 
 
 def copy_bw():
-    n = 1 << 30  # 1 GiB, 16-byte-vectorisable fp32 copy
+    """Device-to-device copy bandwidth, (bytes read + bytes written) / time, median of 20 event-timed
+    dst.copy_(src) over 2 GiB fp32 buffers (64x L2; the old 1 GiB graph-of-4 probe read ~2.7 TB/s).
+    Also a read-only probe (src.sum over the same buffer) for reference; returns (copy, read) in B/s."""
+    n = 2 << 30
     src = torch.randn(n // 4, device="cuda")
     dst = torch.empty_like(src)
-    t = graph_time([lambda: dst.copy_(src)] * 4, replays=10)
+    out = torch.empty((), device="cuda")
+
+    def timed(fn, reps=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(); fn(); b.record(); b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(ts)
+    t_copy = timed(lambda: dst.copy_(src))
+    t_read = timed(lambda: torch.sum(src, dim=0, out=out))
     del src, dst
-    return 2 * n / t
+    torch.cuda.empty_cache()
+    return 2 * n / t_copy, n / t_read
 
 
 def ncopies(active_bytes):
@@ -188,6 +205,29 @@ def bench_pred(name, batches, r_m, r_h, kept, rows):
         print_row(rows[-1])
 
 
+def profile_kernels():
+    """Per-kernel device times (torch.profiler) at the target points, to see which launch dominates."""
+    from torch.profiler import ProfilerActivity, profile
+    d, N, H, _, _ = SHAPES["OPT-13B"]
+    h = rnd(1, d)
+    ma, mb = rnd(d, 128, scale=d ** -0.5), rnd(128, N, scale=128 ** -0.5)
+    ha, hb = rnd(d, 64, scale=d ** -0.5), rnd(64, H, scale=64 ** -0.5)
+    K = N // 4
+    w = dict(w_up=rnd(N, d, scale=d ** -0.5), w_down_t=rnd(N, d, scale=N ** -0.5), b_up=rnd(N), b_down=rnd(d))
+    idx = torch.randperm(N, device="cuda")[:K].sort().values.to(torch.int32)
+    x = rnd(1, d)
+    for _ in range(3):
+        kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=8)
+        kernels.sparse_mlp(x, idx, activation="relu", **w)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=8)
+            kernels.sparse_mlp(x, idx, activation="relu", **w)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
+
+
 def print_row(r):
     if r["op"] == "predictor":
         print(f"{r['op']:9s} {r['shape']:17s} B={r['B']:2d} r_m={r['r_m']} r_h={r['r_h']} K={r['K']:6d} "
@@ -219,6 +259,8 @@ def main(argv=None):
     if "attn" in only:
         for s in shapes:
             bench_attn(s, batches, 0.2, 2048, cbw, rows)
+    if "profile" in only:
+        profile_kernels()
     if "pred" in only:
         for s in shapes:
             bench_pred(s, batches, 128, 64, 0.25, rows)

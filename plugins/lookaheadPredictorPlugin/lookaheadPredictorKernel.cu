@@ -1,12 +1,16 @@
 // DejaVuLookaheadPredictor kernels (docs/ops.md): three launches, MLP and head parts side by side
 // (blockIdx.z / blockIdx.x picks the part).
-//  1. gemv1: u = h @ a over a split of d (column pairs per lane, warps over rows); the last CTA of each
-//     column block sums the splits in order and applies the RMS normalisation (it also has every split's
-//     sum of squares, since each CTA reduces the h slice it read).
-//  2. gemv2: s[n] = max_b (u[b] @ bm)[n]  (fp32 scores).
-//  3. topk: one CTA per part. Radix select of the K-th largest on order-preserving float keys (4 x 8-bit
-//     passes), then a compaction in index order, so indices come out ascending and ties at the threshold
-//     go to the lowest indices (the ONNX TopK rule). No host sync, no sort.
+//  1. u_kernel: t = h @ a. Grid (32-column groups) x (KS splits of d) x part; each CTA stages its slice of
+//     h in shared memory as fp32, streams its rows of a with 16-byte loads, reduces its warps, and the
+//     last CTA of each column group sums the KS partials in a fixed order (8 independent chains, so the
+//     L2 loads overlap) and applies the RMS normalisation (each CTA also reduced sum(h^2) over its slice).
+//  2. scores_kernel: s[n] = max_b (u[b] @ bm)[n] (fp32). CTA = 16*VEC columns, 16 row slices; u sits in
+//     shared memory, every thread streams its rows of bm with 16-byte loads.
+//  3. topk_kernel: one CTA of 1024 threads per part. The order-preserving keys of all scores go to shared
+//     memory once (global fallback when Nb does not fit); radix select of the K-th largest key, 8 bits per
+//     pass, warp-aggregated shared atomics (__match_any), early exit once the threshold bucket is taken
+//     whole; then a compaction in index order (warp-contiguous ranges, ballots), so indices come out
+//     ascending and ties at the threshold go to the lowest indices (the ONNX TopK rule). No host sync.
 #include <math.h>
 #include "dejavu_kernels.h"
 #include "djv_device.cuh"
@@ -17,135 +21,185 @@ using namespace djv;
 constexpr int kThreads = 256;
 constexpr int kTopkThreads = 1024;
 constexpr int kMaxB = 16;
-
-template <typename T> __device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
-    const uint32_t w = __ldg(reinterpret_cast<const unsigned int*>(p));
-    a = pair_f<T>(w, 0);
-    b = pair_f<T>(w, 1);
-}
+constexpr int kCG = 32;       // columns of a per u_kernel CTA
+constexpr int kMaxChunk = 256;  // rows of a (elements of d) per u_kernel CTA
 
 struct Part {  // one predictor head (MLP or attention)
     const void* a; const void* bm; int r; int n; int k; int32_t* out;
 };
 
-// grid (ceil(rmax/64), KS, 2). CTA: 64 columns (32 lanes x 2), 8 warps stride the split's rows.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) gemv1_kernel(const T* __restrict__ h, Part p0, Part p1, int B, int d, int KS,
-                                                         float* __restrict__ part, float* __restrict__ ssq_part,
-                                                         float* __restrict__ u, unsigned* __restrict__ ctr, float eps,
-                                                         int rmax) {
+template <typename T, int VEC> struct Vec;
+template <typename T> struct Vec<T, 8> {
+    static __device__ __forceinline__ void load(const T* p, float (&f)[8]) { unpack8<T>(ld_keep(p), f); }
+};
+template <typename T> struct Vec<T, 2> {
+    static __device__ __forceinline__ void load(const T* p, float (&f)[2]) {
+        const uint32_t w = __ldg(reinterpret_cast<const unsigned int*>(p));
+        f[0] = pair_f<T>(w, 0);
+        f[1] = pair_f<T>(w, 1);
+    }
+};
+
+// grid (ceil(rmax/32), KS, 2)
+template <typename T, int NB, int VEC>
+__global__ void __launch_bounds__(kThreads) u_kernel(const T* __restrict__ h, Part p0, Part p1, int B, int d, int KS,
+                                                     int ncg, float* __restrict__ part, float* __restrict__ ssq_part,
+                                                     float* __restrict__ u, unsigned* __restrict__ ctr, float eps,
+                                                     int rmax) {
+    constexpr int LPR = kCG / VEC, RPW = 32 / LPR, RPP = RPW * (kThreads / 32);
     const Part P = blockIdx.z == 0 ? p0 : p1;
-    if (P.a == nullptr || (int)blockIdx.x * 64 >= P.r) return;
-    __shared__ float red[kThreads / 32][kMaxB][64];
+    const int cg = blockIdx.x;
+    if (P.a == nullptr || cg * kCG >= P.r) return;
+    __shared__ float hs[NB][kMaxChunk];
+    __shared__ float red[kThreads / 32][NB][kCG];
     __shared__ float s_ssq[kMaxB];
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int chunk = cdiv(d, KS);
-    const int kb = blockIdx.y * chunk, ke = min(d, kb + chunk);
-    const int col = blockIdx.x * 64 + 2 * lane;
+    const int kb = blockIdx.y * chunk, ke = min(d, kb + chunk), len = ke > kb ? ke - kb : 0;
+    for (int i = tid; i < NB * kMaxChunk; i += kThreads) {
+        const int b = i / kMaxChunk, k = i % kMaxChunk;
+        hs[b][k] = (b < B && k < len) ? to_f(h[(size_t)b * d + kb + k]) : 0.f;
+    }
+    __syncthreads();
+    const int lc = lane % LPR, ro = wid * RPW + lane / LPR;
+    const int col = cg * kCG + lc * VEC;
     const bool cok = col < P.r;
     const T* A = static_cast<const T*>(P.a);
-    float acc[kMaxB][2];
+    float acc[NB][VEC];
 #pragma unroll
-    for (int b = 0; b < kMaxB; ++b) acc[b][0] = acc[b][1] = 0.f;
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[b][v] = 0.f;
 #pragma unroll 4
-    for (int k = kb + wid; k < ke; k += kThreads / 32) {
-        float w0 = 0.f, w1 = 0.f;
-        if (cok) load_pair(A + (size_t)k * P.r + col, w0, w1);
+    for (int k = ro; k < len; k += RPP) {
+        float w[VEC];
+        if (cok) Vec<T, VEC>::load(A + (size_t)(kb + k) * P.r + col, w);
+        else {
 #pragma unroll
-        for (int b = 0; b < kMaxB; ++b) {
-            if (b >= B) break;
-            const float hv = to_f(h[(size_t)b * d + k]);
-            acc[b][0] = fmaf(hv, w0, acc[b][0]);
-            acc[b][1] = fmaf(hv, w1, acc[b][1]);
+            for (int v = 0; v < VEC; ++v) w[v] = 0.f;
+        }
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const float hv = hs[b][k];
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[b][v] = fmaf(hv, w[v], acc[b][v]);
         }
     }
 #pragma unroll
-    for (int b = 0; b < kMaxB; ++b) {
-        if (b >= B) break;
-        red[wid][b][2 * lane] = acc[b][0];
-        red[wid][b][2 * lane + 1] = acc[b][1];
-    }
-    if (threadIdx.x < kMaxB) s_ssq[threadIdx.x] = 0.f;
-    __syncthreads();
-    // this split's sum of squares of h (every column block computes it; cheap, avoids another launch)
-    for (int b = wid; b < B; b += kThreads / 32) {
-        float s = 0.f;
-        for (int k = kb + lane; k < ke; k += 32) { const float v = to_f(h[(size_t)b * d + k]); s = fmaf(v, v, s); }
+    for (int b = 0; b < NB; ++b)
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) s_ssq[b] = s;
-    }
-    const size_t cb = (size_t)blockIdx.z * gridDim.x + blockIdx.x;  // column block id
-    float* my = part + (cb * KS + blockIdx.y) * kMaxB * 64;
-    for (int i = threadIdx.x; i < B * 64; i += kThreads) {
-        const int b = i >> 6, c = i & 63;
-        float s = 0.f;
-        for (int w = 0; w < kThreads / 32; ++w) s += red[w][b][c];
-        my[i] = s;
+        for (int v = 0; v < VEC; ++v) {
+            float x = acc[b][v];
+#pragma unroll
+            for (int o = LPR; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+            if (lane < LPR) red[wid][b][lane * VEC + v] = x;
+        }
+    // this split's sum of squares of h
+    for (int b = wid; b < B; b += kThreads / 32) {
+        float sq = 0.f;
+        for (int k = lane; k < len; k += 32) sq = fmaf(hs[b][k], hs[b][k], sq);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        if (lane == 0) s_ssq[b] = sq;
     }
     __syncthreads();
-    if (threadIdx.x < B) ssq_part[(cb * KS + blockIdx.y) * kMaxB + threadIdx.x] = s_ssq[threadIdx.x];
-    if (!last_arrival(ctr + cb, (unsigned)KS)) return;
-    if (threadIdx.x < B) {
-        float s = 0.f;
-        for (int k = 0; k < KS; ++k) s += __ldcg(ssq_part + (cb * KS + k) * kMaxB + threadIdx.x);
-        s_ssq[threadIdx.x] = rsqrtf(s / d + eps);
+    const size_t grp = (size_t)blockIdx.z * ncg + cg;
+    float* my = part + (grp * KS + blockIdx.y) * kMaxB * kCG;
+    for (int i = tid; i < B * kCG; i += kThreads) {
+        const int b = i / kCG, c = i % kCG;
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kThreads / 32; ++w) sum += red[w][b][c];
+        my[i] = sum;
+    }
+    if (tid < B) ssq_part[(grp * KS + blockIdx.y) * kMaxB + tid] = s_ssq[tid];
+    if (!last_arrival(ctr + grp, (unsigned)KS)) return;
+    __shared__ float s_rms[kMaxB];
+    if (tid < B) {
+        float sq = 0.f;
+        for (int k = 0; k < KS; ++k) sq += __ldcg(ssq_part + (grp * KS + k) * kMaxB + tid);
+        s_rms[tid] = rsqrtf(sq / d + eps);
     }
     __syncthreads();
     float* ub = u + (size_t)blockIdx.z * kMaxB * rmax;
-    for (int i = threadIdx.x; i < B * 64; i += kThreads) {
-        const int b = i >> 6, c = blockIdx.x * 64 + (i & 63);
-        if (c >= P.r) continue;
-        float s = 0.f;
-        for (int k = 0; k < KS; ++k) s += __ldcg(part + (cb * KS + k) * kMaxB * 64 + i);
-        ub[(size_t)b * rmax + c] = s * s_ssq[b];
+    const float* pg = part + grp * KS * kMaxB * kCG;
+    for (int i = tid; i < B * kCG; i += kThreads) {
+        const int b = i / kCG, c = cg * kCG + i % kCG;
+        float sv[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        int k = 0;
+        for (; k + 8 <= KS; k += 8)
+#pragma unroll
+            for (int q = 0; q < 8; ++q) sv[q] += __ldcg(pg + (size_t)(k + q) * kMaxB * kCG + i);
+        for (; k < KS; ++k) sv[0] += __ldcg(pg + (size_t)k * kMaxB * kCG + i);
+        const float tot = ((sv[0] + sv[1]) + (sv[2] + sv[3])) + ((sv[4] + sv[5]) + (sv[6] + sv[7]));
+        if (c < P.r) ub[(size_t)b * rmax + c] = tot * s_rms[b];
     }
 }
 
-// grid (ceil(nmax/64), 1, 2). CTA: 64 output units, 8 warps stride the r rows, reduce in smem, max over b.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) gemv2_kernel(const float* __restrict__ u, Part p0, Part p1, int B, int rmax,
-                                                         float* __restrict__ scores, int nmax) {
+// grid (ceil(nmax/(16*VEC)), 1, 2); dynamic smem NB*rmax floats (u of this part)
+template <typename T, int NB, int VEC>
+__global__ void __launch_bounds__(kThreads) scores_kernel(const float* __restrict__ u, Part p0, Part p1, int B,
+                                                          int rmax, float* __restrict__ scores, int nmax,
+                                                          float* __restrict__ scores_out) {
+    constexpr int CW = 16 * VEC, RS = kThreads / 16;
     const Part P = blockIdx.z == 0 ? p0 : p1;
-    if (P.a == nullptr || (int)blockIdx.x * 64 >= P.n) return;
-    __shared__ float red[kThreads / 32][kMaxB][64];
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int col = blockIdx.x * 64 + 2 * lane;
-    const bool cok = col < P.n;
-    const T* Bm = static_cast<const T*>(P.bm);
+    if (P.a == nullptr || (int)blockIdx.x * CW >= P.n) return;
+    extern __shared__ float us[];  // [NB][r]
+    __shared__ float red[kThreads / 32][CW];
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const float* ub = u + (size_t)blockIdx.z * kMaxB * rmax;
-    float acc[kMaxB][2];
-#pragma unroll
-    for (int b = 0; b < kMaxB; ++b) acc[b][0] = acc[b][1] = 0.f;
-#pragma unroll 4
-    for (int i = wid; i < P.r; i += kThreads / 32) {
-        float w0 = 0.f, w1 = 0.f;
-        if (cok) load_pair(Bm + (size_t)i * P.n + col, w0, w1);
-#pragma unroll
-        for (int b = 0; b < kMaxB; ++b) {
-            if (b >= B) break;
-            const float uv = __ldcg(ub + (size_t)b * rmax + i);
-            acc[b][0] = fmaf(uv, w0, acc[b][0]);
-            acc[b][1] = fmaf(uv, w1, acc[b][1]);
-        }
-    }
-#pragma unroll
-    for (int b = 0; b < kMaxB; ++b) {
-        if (b >= B) break;
-        red[wid][b][2 * lane] = acc[b][0];
-        red[wid][b][2 * lane + 1] = acc[b][1];
+    for (int i = tid; i < NB * P.r; i += kThreads) {
+        const int b = i / P.r, k = i % P.r;
+        us[i] = b < B ? __ldcg(ub + (size_t)b * rmax + k) : 0.f;
     }
     __syncthreads();
-    if (threadIdx.x < 64) {
-        const int c = blockIdx.x * 64 + threadIdx.x;
+    const int slot = tid / 16, lc = tid % 16;
+    const int col = blockIdx.x * CW + lc * VEC;
+    const bool cok = col < P.n;
+    const T* Bm = static_cast<const T*>(P.bm);
+    float acc[NB][VEC];
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[b][v] = 0.f;
+#pragma unroll 4
+    for (int i = slot; i < P.r; i += RS) {
+        float w[VEC];
+        if (cok) Vec<T, VEC>::load(Bm + (size_t)i * P.n + col, w);
+        else {
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) w[v] = 0.f;
+        }
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const float uv = us[b * P.r + i];
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[b][v] = fmaf(uv, w[v], acc[b][v]);
+        }
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        if (b >= B) break;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+            const float x = acc[b][v] + __shfl_xor_sync(0xffffffffu, acc[b][v], 16);
+            if (lane < 16) red[wid][lane * VEC + v] = x;
+        }
+        __syncthreads();
+        if (tid < CW) {
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < kThreads / 32; ++w) sum += red[w][tid];
+            mx = fmaxf(mx, sum);
+        }
+        __syncthreads();
+    }
+    if (tid < CW) {
+        const int c = blockIdx.x * CW + tid;
         if (c < P.n) {
-            float mx = -INFINITY;
-            for (int b = 0; b < B; ++b) {
-                float s = 0.f;
-                for (int w = 0; w < kThreads / 32; ++w) s += red[w][b][threadIdx.x];
-                mx = fmaxf(mx, s);
-            }
             scores[(size_t)blockIdx.z * nmax + c] = mx;
+            if (blockIdx.z == 0 && scores_out) scores_out[c] = mx;
         }
     }
 }
@@ -155,43 +209,42 @@ __device__ __forceinline__ uint32_t order_key(float f) {  // larger float -> lar
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Block-wide exclusive prefix of a per-thread 0/1 flag; returns the prefix, total in *total.
-__device__ __forceinline__ int block_scan_flag(bool f, int* warp_sums, int* total) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const unsigned bal = __ballot_sync(0xffffffffu, f);
-    if (lane == 0) warp_sums[wid] = __popc(bal);
-    __syncthreads();
-    int before = 0, tot = 0;
-    for (int w = 0; w < nw; ++w) { const int v = warp_sums[w]; before += w < wid ? v : 0; tot += v; }
-    __syncthreads();
-    *total = tot;
-    return before + __popc(bal & ((1u << lane) - 1u));
-}
-
-__global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restrict__ scores, Part p0, Part p1,
-                                                             int nmax, float* __restrict__ scores_out) {
+// grid 2 (part), 1024 threads; dynamic smem nmax*4 bytes when keys_in_smem
+__global__ void __launch_bounds__(kTopkThreads) topk_kernel(float* __restrict__ scores, Part p0, Part p1, int nmax,
+                                                             int keys_in_smem) {
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
-    const float* s = scores + (size_t)blockIdx.x * nmax;
-    const int n = P.n, K = P.k;
+    extern __shared__ uint32_t ks_smem[];
     __shared__ unsigned hist[256];
-    __shared__ unsigned s_sel[2];
-    __shared__ int warp_sums[kTopkThreads / 32];
-    if (blockIdx.x == 0 && scores_out)
-        for (int i = threadIdx.x; i < n; i += blockDim.x) scores_out[i] = s[i];
+    __shared__ unsigned s_sel[3];
+    __shared__ unsigned wgt[kTopkThreads / 32], weq[kTopkThreads / 32];
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    float* s = scores + (size_t)blockIdx.x * nmax;
+    // keys in shared memory, or in place over the scores (each thread converts the entries it reads)
+    uint32_t* keys = keys_in_smem ? ks_smem : reinterpret_cast<uint32_t*>(s);
+    const int n = P.n, K = P.k;
+#pragma unroll 4
+    for (int i = tid; i < n; i += kTopkThreads) keys[i] = order_key(__ldcg(s + i));
     uint32_t prefix = 0, mask = 0;
-    unsigned remaining = (unsigned)K;  // how many of the selected set lie at or below the current prefix
+    unsigned remaining = (unsigned)K;  // how many of the selected set lie in the current bucket
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        for (int i = tid; i < 256; i += kTopkThreads) hist[i] = 0;
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const uint32_t key = order_key(__ldcg(s + i));
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+#pragma unroll 4
+        for (int i0 = 0; i0 < n; i0 += kTopkThreads) {
+            const int i = i0 + tid;
+            bool v = false;
+            unsigned dig = 0x100u;
+            if (i < n) {
+                const uint32_t key = keys[i];
+                v = (key & mask) == prefix;
+                if (v) dig = (key >> shift) & 255u;
+            }
+            const unsigned peers = __match_any_sync(0xffffffffu, dig);
+            if (v && lane == __ffs(peers) - 1) atomicAdd(&hist[dig], (unsigned)__popc(peers));
         }
         __syncthreads();
-        if (threadIdx.x < 32) {  // find the digit holding the remaining-th largest, scanning from the top
-            const int lane = threadIdx.x;
-            unsigned above = 0;  // count in digits above this lane's 8-digit window
+        if (wid == 0) {  // find the digit holding the remaining-th largest, scanning from the top
             unsigned cnt[8], tot = 0;
 #pragma unroll
             for (int j = 0; j < 8; ++j) { cnt[j] = hist[255 - (lane * 8 + j)]; tot += cnt[j]; }
@@ -201,7 +254,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
                 const unsigned v = __shfl_up_sync(0xffffffffu, incl, o);
                 if (lane >= o) incl += v;
             }
-            above = incl - tot;
+            const unsigned above = incl - tot;
             if (above < remaining && incl >= remaining) {
                 unsigned run = above;
 #pragma unroll
@@ -209,6 +262,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
                     if (run + cnt[j] >= remaining) {
                         s_sel[0] = 255u - (unsigned)(lane * 8 + j);
                         s_sel[1] = remaining - run;
+                        s_sel[2] = cnt[j];
                         break;
                     }
                     run += cnt[j];
@@ -219,68 +273,119 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
         prefix |= s_sel[0] << shift;
         mask |= 255u << shift;
         remaining = s_sel[1];
+        const bool whole = s_sel[2] == remaining;  // the whole bucket is selected: no finer digit needed
         __syncthreads();
+        if (whole) break;
     }
-    // prefix = key of the K-th largest; take every key > prefix and the first `remaining` keys == prefix.
-    int out_base = 0, eq_base = 0;
-    for (int i0 = 0; i0 < n; i0 += blockDim.x) {
-        const int i = i0 + threadIdx.x;
-        const uint32_t key = i < n ? order_key(__ldcg(s + i)) : 0u;
-        const bool eq = i < n && key == prefix;
-        int eq_tot;
-        const int eq_rank = block_scan_flag(eq, warp_sums, &eq_tot);
-        const bool take = i < n && (key > prefix || (eq && (unsigned)(eq_base + eq_rank) < remaining));
-        int take_tot;
-        const int rank = block_scan_flag(take, warp_sums, &take_tot);
-        if (take) P.out[out_base + rank] = i;
-        out_base += take_tot;
-        eq_base += eq_tot;
+    // take every masked key > prefix and the first `remaining` (in index order) masked keys == prefix
+    const int per = cdiv(cdiv(n, kTopkThreads / 32), 32) * 32;
+    const int wb = wid * per, we = min(n, wb + per);
+    const unsigned lt = (1u << lane) - 1u;
+    unsigned gtc = 0, eqc = 0;
+    for (int j = wb; j < we; j += 32) {
+        const int i = j + lane;
+        const uint32_t key = i < we ? (keys[i] & mask) : 0u;
+        gtc += __popc(__ballot_sync(0xffffffffu, i < we && key > prefix));
+        eqc += __popc(__ballot_sync(0xffffffffu, i < we && key == prefix));
+    }
+    if (lane == 0) { wgt[wid] = gtc; weq[wid] = eqc; }
+    __syncthreads();
+    unsigned gt_before = 0, eq_before = 0;
+    for (int w = 0; w < wid; ++w) { gt_before += wgt[w]; eq_before += weq[w]; }
+    for (int j = wb; j < we; j += 32) {
+        const int i = j + lane;
+        const uint32_t key = i < we ? (keys[i] & mask) : 0u;
+        const bool gt = i < we && key > prefix, eq = i < we && key == prefix;
+        const unsigned gtm = __ballot_sync(0xffffffffu, gt), eqm = __ballot_sync(0xffffffffu, eq);
+        const unsigned my_gt = gt_before + __popc(gtm & lt), my_eq = eq_before + __popc(eqm & lt);
+        if (gt || (eq && my_eq < remaining)) P.out[my_gt + (my_eq < remaining ? my_eq : remaining)] = i;
+        gt_before += __popc(gtm);
+        eq_before += __popc(eqm);
     }
 }
 
 struct PredPlan {
-    int rmax, nmax, cb1, KS;
+    int rmax, nmax, ncg, KS, vec_a, vec_b, nb;
+    bool keys_smem;
     size_t off_part, off_ssq, off_u, off_scores, total;
 };
 
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
 PredPlan plan_pred(int B, int d, int r_m, int Nb, int r_h, int H) {
-    (void)B;
     PredPlan p;
     p.rmax = r_m > r_h ? r_m : r_h;
     p.nmax = Nb > H ? Nb : H;
-    p.cb1 = cdiv(p.rmax, 64);
-    int ks = cdiv(kTargetCtas, 2 * p.cb1);
-    const int cap = cdiv(d, 64);
-    p.KS = ks < 1 ? 1 : (ks > cap ? cap : ks);
+    p.ncg = cdiv(p.rmax, kCG);
+    const int groups = cdiv(r_m, kCG) + (r_h > 0 ? cdiv(r_h, kCG) : 0);
+    int ks = cdiv(2 * sm_count(), groups);  // ~2 CTAs per SM
+    ks = ks > 64 ? 64 : ks;
+    const int need = cdiv(d, kMaxChunk);
+    p.KS = ks < need ? need : ks;
+    if (p.KS > d) p.KS = d;
+    p.nb = B <= 1 ? 1 : (B <= 4 ? 4 : (B <= 8 ? 8 : 16));
+    p.vec_a = (r_m % 8 == 0 && (r_h == 0 || r_h % 8 == 0)) ? 8 : 2;
+    p.vec_b = (Nb % 8 == 0 && (H == 0 || H % 8 == 0)) ? 8 : 2;
+    int dev = 0, optin = 48 * 1024;
+    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    p.keys_smem = (size_t)p.nmax * 4 + 8192 <= (size_t)optin;
     size_t o = kCounterBytes;
-    p.off_part = o; o = align_up(o + (size_t)2 * p.cb1 * p.KS * kMaxB * 64 * 4, 256);
-    p.off_ssq = o; o = align_up(o + (size_t)2 * p.cb1 * p.KS * kMaxB * 4, 256);
+    p.off_part = o; o = align_up(o + (size_t)2 * p.ncg * p.KS * kMaxB * kCG * 4, 256);
+    p.off_ssq = o; o = align_up(o + (size_t)2 * p.ncg * p.KS * kMaxB * 4, 256);
     p.off_u = o; o = align_up(o + (size_t)2 * kMaxB * p.rmax * 4, 256);
     p.off_scores = o; o = align_up(o + (size_t)2 * p.nmax * 4, 256);
     p.total = o;
     return p;
 }
 
-template <typename T>
-int run_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d, float eps, const PredPlan& p, void* ws,
-             cudaStream_t st) {
+template <typename T, int NB, int VA, int VB>
+int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d, float eps, const PredPlan& p,
+                void* ws, cudaStream_t st) {
     char* base = static_cast<char*>(ws);
     unsigned* ctr = reinterpret_cast<unsigned*>(base);
     float* part = reinterpret_cast<float*>(base + p.off_part);
     float* ssq = reinterpret_cast<float*>(base + p.off_ssq);
     float* u = reinterpret_cast<float*>(base + p.off_u);
     float* sc = reinterpret_cast<float*>(base + p.off_scores);
-    gemv1_kernel<T><<<dim3(p.cb1, p.KS, 2), kThreads, 0, st>>>(static_cast<const T*>(h), p0, p1, B, d, p.KS, part, ssq,
-                                                                u, ctr, eps, p.rmax);
+    u_kernel<T, NB, VA><<<dim3(p.ncg, p.KS, 2), kThreads, 0, st>>>(static_cast<const T*>(h), p0, p1, B, d, p.KS, p.ncg,
+                                                                     part, ssq, u, ctr, eps, p.rmax);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
-    gemv2_kernel<T><<<dim3(cdiv(p.nmax, 64), 1, 2), kThreads, 0, st>>>(u, p0, p1, B, p.rmax, sc, p.nmax);
+    const size_t usm = (size_t)NB * p.rmax * 4;
+    if ((e = cudaFuncSetAttribute(scores_kernel<T, NB, VB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)usm)) !=
+        cudaSuccess)
+        return (int)e;
+    scores_kernel<T, NB, VB><<<dim3(cdiv(p.nmax, 16 * VB), 1, 2), kThreads, usm, st>>>(u, p0, p1, B, p.rmax, sc, p.nmax,
+                                                                                       scores_out);
     if ((e = cudaGetLastError()) != cudaSuccess) return (int)e;
-    topk_kernel<<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax, scores_out);
+    const size_t ksm = p.keys_smem ? (size_t)p.nmax * 4 : 0;
+    if ((e = cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ksm)) != cudaSuccess)
+        return (int)e;
+    topk_kernel<<<2, kTopkThreads, ksm, st>>>(sc, p0, p1, p.nmax, p.keys_smem ? 1 : 0);
     return (int)cudaGetLastError();
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+template <typename T, int NB>
+int run_pred_nb(const void* h, Part p0, Part p1, float* so, int B, int d, float eps, const PredPlan& p, void* ws,
+                cudaStream_t st) {
+    if (p.vec_a == 8)
+        return p.vec_b == 8 ? launch_pred<T, NB, 8, 8>(h, p0, p1, so, B, d, eps, p, ws, st)
+                            : launch_pred<T, NB, 8, 2>(h, p0, p1, so, B, d, eps, p, ws, st);
+    return p.vec_b == 8 ? launch_pred<T, NB, 2, 8>(h, p0, p1, so, B, d, eps, p, ws, st)
+                        : launch_pred<T, NB, 2, 2>(h, p0, p1, so, B, d, eps, p, ws, st);
+}
+
+template <typename T>
+int run_pred(const void* h, Part p0, Part p1, float* so, int B, int d, float eps, const PredPlan& p, void* ws,
+             cudaStream_t st) {
+    switch (p.nb) {
+    case 1: return run_pred_nb<T, 1>(h, p0, p1, so, B, d, eps, p, ws, st);
+    case 4: return run_pred_nb<T, 4>(h, p0, p1, so, B, d, eps, p, ws, st);
+    case 8: return run_pred_nb<T, 8>(h, p0, p1, so, B, d, eps, p, ws, st);
+    default: return run_pred_nb<T, 16>(h, p0, p1, so, B, d, eps, p, ws, st);
+    }
+}
+
 
 }  // namespace
 
@@ -304,9 +409,12 @@ DJV_API int djv_lookahead_predictor(const void* h, const void* mlp_a, const void
     if (dtype != DJV_FLOAT16 && dtype != DJV_BFLOAT16) return DJV_E_DTYPE;
     if (!h || !mlp_a || !mlp_b || !mlp_idx || (heads && (!head_b || !head_idx))) return DJV_E_POINTER;
     if (!aligned16(workspace)) return DJV_E_POINTER;
-    const PredPlan p = plan_pred(B, d, r_m, Nb, heads ? r_h : 0, heads ? H : 0);
+    PredPlan p = plan_pred(B, d, r_m, Nb, heads ? r_h : 0, heads ? H : 0);
+    // 16-byte loads need aligned bases (rows are aligned when the row lengths are multiples of 8)
+    if (!aligned16(mlp_a) || (heads && !aligned16(head_a))) p.vec_a = 2;
+    if (!aligned16(mlp_b) || (heads && !aligned16(head_b))) p.vec_b = 2;
     if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
-    if (2 * p.cb1 > kMaxCounters) return DJV_E_SHAPE;
+    if (2 * p.ncg > kMaxCounters) return DJV_E_SHAPE;
     Part p0{mlp_a, mlp_b, r_m, Nb, K, mlp_idx};
     Part p1{heads ? head_a : nullptr, head_b, heads ? r_h : 0, heads ? H : 0, Kh, head_idx};
     if (dtype == DJV_FLOAT16) return run_pred<__half>(h, p0, p1, mlp_scores, B, d, eps, p, workspace, stream);

@@ -207,6 +207,8 @@ PRED_CASES = [  # B, d, r_m, Nb, K, r_h, H, Kh
     (5, 768, 128, 3072, 3072, 64, 12, 12),   # keep everything
     (16, 5120, 128, 20480, 5120, 128, 40, 8),
     (3, 4096, 256, 30002, 777, 64, 32, 31),
+    (1, 5120, 128, 20480, 5120, 64, 40, 8),   # the benchmark shape: 16-byte loads, batch 1
+    (2, 1000, 6, 60000, 3000, 10, 6, 2),      # ranks not multiples of 8 (4-byte loads); keys too big for smem
 ]
 
 
@@ -251,6 +253,23 @@ def test_predictor_ties_go_to_lower_index():
     else:
         want = torch.arange(K)
     assert torch.equal(mi.cpu().long(), want.sort().values)
+
+
+@pytest.mark.parametrize("Nb,K", [(20480, 5120), (60000, 15001)])
+def test_predictor_many_ties_exact(Nb, K):
+    """Scores take 5 distinct values, so the threshold bucket holds thousands of equal keys spread over
+    every warp of the top-k CTA: the kept ones must be exactly the lowest indices (ONNX TopK rule)."""
+    B, d, r = 2, 256, 16
+    h = rand(B, d, dtype=torch.float16)
+    a = rand(d, r, dtype=torch.float16, scale=d ** -0.5)
+    cols = rand(r, 5, dtype=torch.float16)
+    b = cols[:, torch.randint(0, 5, (Nb,), device="cuda")].contiguous()  # identical columns -> identical scores
+    scores = torch.full((Nb,), float("nan"), device="cuda")
+    mi = torch.full((K,), -7, device="cuda", dtype=torch.int32)
+    kernels.predictor(h, a, b, kept_units=K, out=(mi, None), mlp_scores=scores)
+    assert torch.isfinite(scores).all()
+    assert len(torch.unique(scores)) <= 5
+    assert torch.equal(mi, ref.topk_sorted(scores, K))
 
 
 # -------------------------------------------------------------------------------------- CUDA graph
