@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors become one line on stderr and exit status 2, without a traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        app(args=argv, standalone_mode=False)
+        # With standalone_mode=False click returns typer.Exit(n)'s code instead of raising it.
+        rc = app(args=argv, standalone_mode=False)
     except DejaVuError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         if type(e).__name__ == "Abort":
             return 1
         raise
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 @app.callback()

@@ -67,18 +67,22 @@ def merge_results(into, other):
 
 
 def eval_tokens(tokenizer, text: str | None, rows: int, length: int) -> torch.Tensor:
-    """[rows, length] token ids: windows of --text, or of the SOTU test split."""
-    from ..data.corpus import load_documents, split_windows, tokenize_documents
+    """[rows, length] token ids: consecutive windows of --text, or of the newest SOTU address.
+
+    Calibration reads the corpus from its start, so the last address is held out in practice; it
+    is tokenized alone to keep a comparison's start-up short.
+    """
+    from ..data.corpus import load_documents
 
     if text is not None:
         p = Path(text)
         if not p.is_file():
             raise DejaVuError(f"--text {text} does not exist")
-        stream = torch.tensor(tokenizer(p.read_text())["input_ids"], dtype=torch.long)
-        windows = stream[: (stream.numel() // length) * length].view(-1, length)
+        body = p.read_text(encoding="utf-8", errors="replace")
     else:
-        stream = tokenize_documents(load_documents("sotu"), tokenizer)
-        windows = split_windows(stream, length)["test"]
+        body = load_documents("sotu")[-1].text
+    stream = torch.tensor(tokenizer(body, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    windows = stream[: (stream.numel() // length) * length].view(-1, length)
     if windows.shape[0] < rows:
         raise DejaVuError(f"the text has {windows.shape[0]} windows of {length} tokens, {rows} needed: pass a longer "
                           f"--text or fewer --steps/--batch")
@@ -156,7 +160,7 @@ def compare(a: str, b: str, *, workdir: str | Path | None = None, text: str | No
 
 def _compare(a, b, *, workdir, text, steps, batch, rtol, outputs, sparsity, head_sparsity, kv_policy,
              max_ppl_delta, model) -> dict:
-    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
     from polygraphy.comparator.struct import RunResults
 
     from ..models import load_model
@@ -193,7 +197,7 @@ def _compare(a, b, *, workdir, text, steps, batch, rtol, outputs, sparsity, head
                           f"present_value.i")
     scale = {n: float(max(np.abs(o[n]).max() for o in outs_a)) for n in names}
     atol = {n: rtol * s for n, s in scale.items()}
-    func = CompareFunc.simple(rtol={n: rtol for n in names}, atol=atol, check_error_stat="elemwise",
+    func = SimpleCompareFunc(rtol={n: rtol for n in names}, atol=atol, check_error_stat="elemwise",
                               find_output_func=lambda name, idx, res: [name] if name in names else [])
     acc = Comparator.compare_accuracy(results, compare_func=func)
     per_iter = list(acc[0].values())[0]       # one compare func, one runner pair

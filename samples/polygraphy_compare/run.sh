@@ -6,6 +6,7 @@ set -euo pipefail
 DENSE=$1
 SPARSE=$2
 WORK=${3:-$(mktemp -d)}
+mkdir -p "$WORK"
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python}
 POLY=${POLYGRAPHY:-polygraphy}

@@ -1,0 +1,116 @@
+"""compare: polygraphy Comparator over ONNX Runtime and our runners; the polygraphy CLI sample."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+from polygraphy.comparator import Comparator, SimpleCompareFunc
+from polygraphy.comparator.struct import RunResults
+
+from dejavu_trt.compare import DecodeStepRunner, TorchDecodeRunner, merge_results
+from dejavu_trt.compare.compare import decode_trajectory
+from dejavu_trt.export import DecodeModel
+from dejavu_trt.export.stage import export_decode
+from dejavu_trt.export.testing import stand_in_predictors
+from dejavu_trt.rewrite import rewrite
+
+T = 32
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def opt_graphs(tiny_opt, tmp_path_factory):
+    """Tiny OPT: dense graph, all-active rewrite, and a sparse rewrite (stand-in predictors)."""
+    root = tmp_path_factory.mktemp("cmp")
+    dense = export_decode(str(tiny_opt.folder), root / "opt", max_context=T, loaded=tiny_opt)
+    pred = stand_in_predictors(tiny_opt.adapter.dims(), root / "pred.safetensors")
+    full = rewrite(dense, root / "opt" / "all_active.onnx", predictors=pred, sparsity=1.0, head_sparsity=1.0)
+    sparse = rewrite(dense, predictors=pred, sparsity=0.25, head_sparsity=0.5)
+    return {"dense": dense, "all_active": full, "sparse": sparse, "pred": pred}
+
+
+def test_cli_all_active_matches_dense(opt_graphs, cli):
+    code, out, err = cli("compare", opt_graphs["dense"], opt_graphs["all_active"], "--json", "--steps", "6",
+                         "--batch", "2")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["passed"] and set(r["outputs"]) >= {"logits", "present_key.0", "present_value.3"}
+    assert r["outputs"]["logits"]["rel_to_range"] < 1e-5
+    assert abs(r["ppl_delta"]) < 1e-5 and r["ppl_a"] > 1
+
+
+def test_cli_sparse_vs_dense_fails_with_stats(opt_graphs, cli):
+    code, out, _ = cli("compare", opt_graphs["dense"], opt_graphs["sparse"], "--steps", "6")
+    assert code == 1
+    assert "logits" in out and "perplexity" in out and "FAILED" in out
+
+
+def test_cli_sparse_rewrite_matches_torch_sparse_reference(opt_graphs, cli):
+    """Acceptance: predicted sparsity, rewritten graph (ORT) vs the PyTorch sparse reference runner."""
+    code, out, err = cli("compare", opt_graphs["sparse"], "torch-sparse", "--json", "--steps", "6", "--batch", "2")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["b"] == "torch-sparse" and r["outputs"]["logits"]["rel_to_range"] < 1e-5
+    assert all(o["passed"] for o in r["outputs"].values())
+
+
+def test_executor_runner_plugs_into_comparator(opt_graphs, tiny_opt):
+    """A step-function runner (how the CUDA executor plugs in) next to polygraphy's ORT runner; a
+    deliberately wrong executor is caught."""
+    dm = DecodeModel.from_adapter(tiny_opt.adapter, T)
+    torch_runner = TorchDecodeRunner(dm, name="torch")
+    ort_runner = OnnxrtRunner(SessionFromOnnx(str(opt_graphs["dense"]), providers=["CPUExecutionProvider"]))
+    import torch
+    tokens = torch.randint(100, 3000, (1, 5), generator=torch.Generator().manual_seed(0))
+    with ort_runner:
+        feeds, _, _ = decode_trajectory(ort_runner, dm.cfg, tokens, 4)
+
+    def broken():
+        good = torch_runner._make()
+        return lambda feed: {k: (v * 1.001 if k == "logits" else v) for k, v in good(feed).items()}
+
+    bad = DecodeStepRunner(broken, dm.cfg.num_layers, dm.cfg.cache_shape(1), name="broken-executor")
+    results = Comparator.run([ort_runner, torch_runner], data_loader=feeds)
+    # Runners can also be run one at a time and merged (RunResults.update() is broken in 0.53.6).
+    merge_results(results, Comparator.run([bad], data_loader=feeds))
+    assert isinstance(results, RunResults) and [n for n, _ in results.lst][-1] == "broken-executor"
+    func = SimpleCompareFunc(atol=1e-4, rtol=1e-5)
+    acc = Comparator.compare_accuracy(results, compare_func=func,
+                                      comparisons=[(0, 1), (0, 2)])
+    verdicts = {pair: all(bool(it["logits"]) for it in its) for pair, its in acc[0].items()}
+    assert verdicts[(ort_runner.name, "torch")] is True
+    assert verdicts[(ort_runner.name, "broken-executor")] is False
+
+
+def test_compare_bad_inputs(opt_graphs, tmp_path, cli):
+    junk = tmp_path / "junk.onnx"
+    junk.write_text("hello")
+    code, _, err = cli("compare", junk, opt_graphs["dense"])
+    assert code == 2 and "not an ONNX model" in err
+    code, _, err = cli("compare", "torch", "torch-sparse")
+    assert code == 2 and "ONNX decode graph" in err
+    code, _, err = cli("compare", opt_graphs["dense"], opt_graphs["sparse"], "--output", "nope")
+    assert code == 2 and "unknown output" in err
+
+
+def test_polygraphy_cli_sample(opt_graphs, tmp_path):
+    """samples/polygraphy_compare/run.sh: polygraphy run --save-outputs / --load-outputs."""
+    env = dict(os.environ, PYTHON=sys.executable, POLYGRAPHY=str(Path(sys.executable).parent / "polygraphy"),
+               STEPS="3")
+    script = REPO / "samples" / "polygraphy_compare" / "run.sh"
+    ok = subprocess.run([str(script), str(opt_graphs["dense"]), str(opt_graphs["all_active"]), str(tmp_path)],
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert (tmp_path / "dense_outputs.json").is_file() and "PASSED" in ok.stdout + ok.stderr
+    # The sparse rewrite against the same saved inputs/outputs is outside tolerance.
+    bad = subprocess.run([env["POLYGRAPHY"], "run", str(opt_graphs["sparse"]), "--onnxrt",
+                          "--load-inputs", str(tmp_path / "inputs.json"),
+                          "--load-outputs", str(tmp_path / "dense_outputs.json"), "--atol", "1e-4", "--rtol", "1e-5"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "FAILED" in bad.stdout + bad.stderr
