@@ -161,13 +161,13 @@ def _torch_dtype(name: str) -> torch.dtype:
 # --- loading -------------------------------------------------------------------------------------
 
 def plugin_library() -> Path | None:
-    """The kernel/plugin shared library: $DEJAVU_PLUGIN_LIBRARY, else plugins/build/libdejavu_kernels.so."""
+    """The kernel/plugin shared library: $DEJAVU_PLUGIN_LIBRARY, else the kernels binding's library."""
     env = os.environ.get(PLUGIN_LIBRARY_ENV)
     if env:  # an explicit choice is never silently replaced by another copy
         return Path(env) if Path(env).is_file() else None
-    root = Path(__file__).resolve().parents[2]
-    candidates = [root / "plugins" / "build" / "libdejavu_kernels.so", root / "build" / "libdejavu_kernels.so"]
-    return next((p for p in candidates if p.is_file()), None)
+    from ..kernels import library_path  # $DEJAVU_KERNELS_LIB, else plugins/build/libdejavu_kernels.so
+    lib = library_path()
+    return lib if lib.is_file() else None
 
 
 def read_engine_manifest(path: str | Path, verify: bool = True) -> dict:
@@ -199,6 +199,12 @@ def load_engine_package(path: str | Path, *, require_plan: bool = False) -> Engi
             raise DejaVuError(f"{path / config.plan} needs the plugin library libdejavu_kernels.so, which was not "
                               f"found: build it (cmake -S plugins -B plugins/build && cmake --build plugins/build) "
                               f"or set {PLUGIN_LIBRARY_ENV}")
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError:
+            raise DejaVuError(f"{path / config.plan} needs TensorRT, which is not installed here; run without --plan "
+                              f"(the CUDA executor runs the same package)") from None
+        raise DejaVuError("running a TensorRT plan is not implemented in this version; run without --plan")
     weights, _ = load_safetensors(path / WEIGHTS_FILE, expect_format=WEIGHTS_FORMAT)
     predictors, _ = load_safetensors(path / PREDICTORS_FILE, expect_format=PREDICTORS_FORMAT)
     _check_tensors(path, config, dims, weights, predictors)
