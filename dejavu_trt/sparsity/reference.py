@@ -25,7 +25,8 @@ selection depends only on its own hidden states, so running full sequences with 
 decode path); `tests/test_sparse_reference.py` checks that they agree.
 
 While it runs, the reference records per-layer recall of the predicted units against the oracle
-ones (|pred ∩ oracle| / k), measured on the sparse model's own activations.
+ones (|pred ∩ oracle| / k), measured on the sparse model's own activations. Oracle units with
+exactly zero activity (ReLU) are not counted: k becomes the number of oracle units that matter.
 """
 from __future__ import annotations
 
@@ -138,11 +139,11 @@ class SparseReference:
             return self
         for i, layer in enumerate(self.adapter.layers()):
             self._handles.append(layer.register_forward_pre_hook(self._layer_input_hook(i), with_kwargs=True))
-            if self.plan.mlp_kept_units[i] < self.plan.num_units:
-                self._handles.append(self.adapter.mlp_down(i).register_forward_pre_hook(self._mlp_hook(i)))
-            if self.plan.heads_kept[i] < self.plan.num_heads:
-                self._w_o_t[i] = self.adapter.attn_out(i).weight.detach().T
-                self._handles.append(self.adapter.attn_out(i).register_forward_pre_hook(self._head_hook(i)))
+            # Hooks go on every layer, also those that keep all units (an all-true mask): the
+            # "all kept == dense" test then exercises the same code path as a sparse run.
+            self._handles.append(self.adapter.mlp_down(i).register_forward_pre_hook(self._mlp_hook(i)))
+            self._w_o_t[i] = self.adapter.attn_out(i).weight.detach().T
+            self._handles.append(self.adapter.attn_out(i).register_forward_pre_hook(self._head_hook(i)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -164,16 +165,19 @@ class SparseReference:
 
         def hook(module, args):
             a = args[0]
-            oracle = oracle_mlp_scores(a, bs)
             if self.mode == "oracle":
-                keep = topk_mask(oracle, k)
+                keep = topk_mask(oracle_mlp_scores(a, bs), k)
             else:
-                scores = self.predictors.mlp_scores(i, self._predictor_input(i))
+                # (OPT flattens [B, T, .] to [B*T, .] inside its MLP; the layer input is [B, T, d])
+                scores = self.predictors.mlp_scores(i, self._predictor_input(i)).reshape(*a.shape[:-1], -1)
                 keep = topk_mask(scores.to(torch.float32), k)
-                if self.record:
-                    hits = (keep & topk_mask(oracle, k)).sum().item()
-                    self.stats.mlp_hits[i] += int(hits)
-                    self.stats.mlp_total[i] += keep[..., 0].numel() * k
+                if self.record and k < self.plan.num_units:
+                    oracle = oracle_mlp_scores(a, bs)
+                    # Units with exactly zero activity (ReLU) are left out: which of them the
+                    # oracle "keeps" is arbitrary, and keeping or skipping them changes nothing.
+                    relevant = topk_mask(oracle, k) & (oracle > 0)
+                    self.stats.mlp_hits[i] += int((keep & relevant).sum().item())
+                    self.stats.mlp_total[i] += int(relevant.sum().item())
             if bs > 1:
                 keep = keep.repeat_interleave(bs, dim=-1)
             return (a.masked_fill(~keep, 0),) + tuple(args[1:])
@@ -184,14 +188,13 @@ class SparseReference:
 
         def hook(module, args):
             o = args[0]
-            oracle = oracle_head_scores(o, self._w_o_t[i], H)
             if self.mode == "oracle":
-                keep = topk_mask(oracle, k)
+                keep = topk_mask(oracle_head_scores(o, self._w_o_t[i], H), k)
             else:
-                scores = self.predictors.head_scores(i, self._predictor_input(i))
+                scores = self.predictors.head_scores(i, self._predictor_input(i)).reshape(*o.shape[:-1], -1)
                 keep = topk_mask(scores.to(torch.float32), k)
-                if self.record:
-                    hits = (keep & topk_mask(oracle, k)).sum().item()
+                if self.record and k < H:
+                    hits = (keep & topk_mask(oracle_head_scores(o, self._w_o_t[i], H), k)).sum().item()
                     self.stats.head_hits[i] += int(hits)
                     self.stats.head_total[i] += keep[..., 0].numel() * k
             keep = keep.repeat_interleave(o.shape[-1] // H, dim=-1)
