@@ -119,10 +119,11 @@ def _print_bench(res: dict) -> None:
     if res.get("copy_bandwidth_gb_s"):
         c.print(f"device copy bandwidth (read+write): {res['copy_bandwidth_gb_s']:.0f} GB/s")
     cost = res["cost"]
-    c.print(f"speedup sparse vs dense: {res['speedup']:.2f}x; tokens/s per GPU: dense "
+    unit = "GPU" if res["device"] != "cpu" else "device (CPU reference executor: not a GPU forecast)"
+    c.print(f"speedup sparse vs dense: {res['speedup']:.2f}x; tokens/s per {unit}: dense "
             f"{cost['dense_tokens_per_s_per_gpu']:.1f}, sparse {cost['sparse_tokens_per_s_per_gpu']:.1f}")
-    line = (f"GPU-hours per million tokens: dense {cost['dense_gpu_hours_per_mtok']:.3f}, sparse "
+    line = (f"{'GPU' if res['device'] != 'cpu' else 'device'}-hours per million tokens: dense {cost['dense_gpu_hours_per_mtok']:.3f}, sparse "
             f"{cost['sparse_gpu_hours_per_mtok']:.3f}, saved {cost['gpu_hours_saved_per_mtok']:.3f}")
     if "cost_saved_per_mtok" in cost:
-        line += f" = {cost['cost_saved_per_mtok']:.2f} saved per million tokens at {cost['gpu_hour_price']:g}/GPU-hour"
+        line += f" = {cost['cost_saved_per_mtok']:.2f} saved per million tokens at {cost['gpu_hour_price']:g} per hour"
     c.print(line)
