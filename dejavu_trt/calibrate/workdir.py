@@ -94,14 +94,30 @@ def record_split(loaded, windows: torch.Tensor, root: Path, split: str, *, block
             acts = rec.pop()
             # hidden_states[l] is the input of layer l (0: embeddings); the last one is post-norm.
             batch = {"tokens": ids.reshape(-1)}
+            # Rows are tokens; some families (OPT) already flatten [b, t] inside the MLP.
             for l in range(L):
-                batch[f"hidden.{l}"] = out.hidden_states[l].flatten(0, 1)
-                batch[f"mlp.{l}"] = acts[f"mlp.{l}"].flatten(0, 1)
-                batch[f"heads.{l}"] = acts[f"heads.{l}"].flatten(0, 1)
+                batch[f"hidden.{l}"] = out.hidden_states[l].reshape(-1, out.hidden_states[l].shape[-1])
+                batch[f"mlp.{l}"] = acts[f"mlp.{l}"].reshape(-1, acts[f"mlp.{l}"].shape[-1])
+                batch[f"heads.{l}"] = acts[f"heads.{l}"].reshape(-1, acts[f"heads.{l}"].shape[-1])
             writer.add(batch)
             del out, acts, batch
     writer.flush()
     return writer
+
+
+def _load_quietly(model: str, dtype: str, device: str):
+    """load_model without transformers' weight-loading bar, so a user error after it stays one line."""
+    from transformers.utils import logging as hf_logging
+
+    from ..models.loading import load_model
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return load_model(model, dtype=dtype, device=device)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def calibrate(model: str, corpus: str, tokens: int, out: str | Path, *, seq_len: int = 256,
@@ -109,7 +125,7 @@ def calibrate(model: str, corpus: str, tokens: int, out: str | Path, *, seq_len:
               dtype: str = "fp32", device: str = "cpu", progress: bool = True) -> WorkDir:
     """Calibrate `model` on `tokens` tokens of `corpus` into the work dir `out` (atomically)."""
     from ..data.corpus import load_documents, split_windows, take_tokens, tokenize_documents
-    from ..models.loading import load_model, locate, model_fingerprint
+    from ..models.loading import locate, model_fingerprint
     from ..models.registry import resolve
 
     if tokens < 1:
@@ -124,7 +140,7 @@ def calibrate(model: str, corpus: str, tokens: int, out: str | Path, *, seq_len:
         raise DejaVuError(f"--out {out} exists and is not a dejavu-trt work dir; choose a new or empty folder")
     locate(resolve(model))  # fail fast, before any work, when the weights are absent
     docs = load_documents(corpus)
-    loaded = load_model(model, dtype=dtype, device=device)
+    loaded = _load_quietly(model, dtype, device)
     dims = loaded.dims
     if dims.intermediate_size % block_size:
         raise DejaVuError(f"--block-size {block_size} does not divide the {dims.intermediate_size} MLP neurons")

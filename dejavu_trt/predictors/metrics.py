@@ -20,3 +20,11 @@ def topk_recall(pred_scores: torch.Tensor, activity: torch.Tensor, k: int) -> to
     hit = topk_mask(activity, k)
     idx = pred_scores.topk(k, dim=-1).indices
     return hit.gather(-1, idx).float().mean(-1)
+
+
+def mass_recall(pred_scores: torch.Tensor, activity: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-row share of the oracle top-k's activity that the predicted top-k keeps (a softer view:
+    swapping two near-equal units costs little here, but a full miss in `topk_recall`)."""
+    kept = activity.gather(-1, pred_scores.topk(k, dim=-1).indices).sum(-1)
+    best = activity.topk(k, dim=-1).values.sum(-1)
+    return kept / best.clamp_min(1e-12)

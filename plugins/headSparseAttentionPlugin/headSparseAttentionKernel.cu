@@ -53,15 +53,13 @@ __device__ __forceinline__ float rope_at(const float* u, int e, int hd, const T*
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f(from_f<T>(v)); }
 
 template <typename T, int NT>
-__global__ void __launch_bounds__(kProjThreads, 2) qkv_proj_kernel(
+__global__ void __launch_bounds__(kProjThreads) qkv_proj_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
     float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, int ksplit) {
     constexpr int NW = kProjThreads / 32;
-    extern __shared__ __align__(16) unsigned char dsm[];
-    uint4* ring = reinterpret_cast<uint4*>(dsm);
-    float* red = reinterpret_cast<float*>(dsm);  // NW*256 floats, aliases the drained ring
+    __shared__ float red[NW * 256];
     __shared__ int s_head;
     const int lane = threadIdx.x & 31, g = lane >> 2, wid = threadIdx.x >> 5;
     const int tile = blockIdx.x, ks = blockIdx.y;
@@ -91,7 +89,7 @@ __global__ void __launch_bounds__(kProjThreads, 2) qkv_proj_kernel(
     const int chunk = ksplit_chunk(d, ksplit);
     const int kb = ks * chunk, ke = min(d, kb + chunk);
     float acc[1][NT][4] = {};
-    tile_dot<T, NT, 1>(r0, r1, x, B, d, kb, ke, wid, NW, acc, ring);
+    tile_dot<T, NT, 1, 4>(r0, r1, x, B, d, kb, ke, wid, NW, acc);
     cta_reduce_tile<NT, 1>(acc, red, NW);
     if (ksplit > 1) {
         float* my = part + ((size_t)tile * ksplit + ks) * 256;
@@ -294,48 +292,24 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     if (!last_arrival(ctr + (size_t)b * Kh + x, (unsigned)nsplit)) return;
     const float* pb = part + ((size_t)b * Kh + x) * nsplit * GMAX * PSTRIDE;
     const int Mo = Kh * HD;
-    // Merge: (m, l) of every split into shared memory at once (ored is free now, and the plan keeps
-    // 2*GMAX*nsplit within it), per-head weights and denominators from them, then each output element
-    // sums its nsplit partials with 8 independent load chains. Fixed order: deterministic.
-    float* mw = ored;                     // [G][nsplit]: m, then the weight exp2(m - M) (0 if empty)
-    float* lw = ored + (size_t)G * nsplit;  // [G][nsplit]: l
-    for (int i = tid; i < G * nsplit; i += blockDim.x) {
-        const int g = i / nsplit, k = i % nsplit;
-        const float* pz = pb + ((size_t)k * GMAX + g) * PSTRIDE;
-        const float l = __ldcg(pz + 1);
-        lw[i] = l;
-        mw[i] = l > 0.f ? __ldcg(pz) : -INFINITY;
-    }
-    __syncthreads();
-    for (int g = wid; g < G; g += kAttnThreads / 32) {
-        float M = -INFINITY;
-        for (int k = lane; k < nsplit; k += 32) M = fmaxf(M, mw[g * nsplit + k]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-        float den = 0.f;
-        for (int k = lane; k < nsplit; k += 32) {
-            const float l = lw[g * nsplit + k];
-            const float w = l > 0.f ? exp2f(mw[g * nsplit + k] - M) : 0.f;
-            mw[g * nsplit + k] = w;
-            den += l * w;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
-        if (lane == 0) s_l[g] = den;
-    }
-    __syncthreads();
     for (int i = tid; i < G * HD; i += blockDim.x) {
         const int g = i / HD, e = i % HD;
-        const float* wg = mw + g * nsplit;
-        float acc8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        int k = 0;
-        for (; k + 8 <= nsplit; k += 8)
-#pragma unroll
-            for (int q = 0; q < 8; ++q)
-                acc8[q] = fmaf(wg[k + q], __ldcg(pb + ((size_t)(k + q) * GMAX + g) * PSTRIDE + 2 + e), acc8[q]);
-        for (; k < nsplit; ++k) acc8[0] = fmaf(wg[k], __ldcg(pb + ((size_t)k * GMAX + g) * PSTRIDE + 2 + e), acc8[0]);
-        const float num = ((acc8[0] + acc8[1]) + (acc8[2] + acc8[3])) + ((acc8[4] + acc8[5]) + (acc8[6] + acc8[7]));
-        o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num / s_l[g]);
+        float M = -INFINITY;
+        for (int k = 0; k < nsplit; ++k) {
+            const float* pz = pb + ((size_t)k * GMAX + g) * PSTRIDE;
+            if (__ldcg(pz + 1) > 0.f) M = fmaxf(M, __ldcg(pz));
+        }
+        float num = 0.f, den = 0.f;
+        for (int k = 0; k < nsplit; ++k) {
+            const float* pz = pb + ((size_t)k * GMAX + g) * PSTRIDE;
+            const float lz = __ldcg(pz + 1);
+            if (lz > 0.f) {
+                const float w = exp2f(__ldcg(pz) - M);
+                den += lz * w;
+                num += w * __ldcg(pz + 2 + e);
+            }
+        }
+        o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num / den);
     }
 }
 
@@ -350,21 +324,14 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     p.nslots = policy == DJV_KV_DENSE ? Hkv : (Hkv < Kh ? Hkv : Kh);
     p.R = (Kh + 2 * p.nslots) * hd;
     p.tiles = p.R / 16;
-    p.ksplit = tile_ksplit(p.tiles, d, occupancy(qkv_proj_kernel<__half, 1>, kProjThreads, kRingBytes) * sm_count());
-    // Token splits: aim at ~8 CTAs (of 4 warps) per SM over the work items that can have work (an upper
-    // bound: GQA groups of up to GMAX heads share one item), so enough K/V bytes are in flight; sizing by
-    // Kh*B alone left GQA batch-16 grids at ~7 warps per SM.
-    const int items = Kh < Hkv * cdiv(H / Hkv, GMAX) ? Kh : Hkv * cdiv(H / Hkv, GMAX);
-    const int want = cdiv(8 * sm_count(), items * B);
+    p.ksplit = tile_ksplit(p.tiles, d);
+    const int want = cdiv(kTargetCtas, Kh * B);
     int L = (int)align_up((size_t)cdiv(T, want), 32);
     L = L < 64 ? 64 : (L > 1024 ? 1024 : L);
-    // the merge keeps (m, l) of all splits in the ored region (RP*GMAX*hd = 8192 floats): nsplit <= 512
-    const int lmin = (int)align_up((size_t)cdiv(T, 512), 32);
-    L = L < lmin ? lmin : L;
     p.L = L;
     p.nsplit = cdiv(T, L);
     p.Mo = Kh * hd;
-    p.S = down_splits(d, p.Mo, B);
+    p.S = down_splits(d, p.Mo);
     const int RP = kAttnThreads / (hd / 8);
     p.smem = (size_t)(GMAX * hd + 2 * hd + GMAX * L + RP * GMAX * hd) * sizeof(float);
     p.ctr_attn = p.tiles;
@@ -408,18 +375,13 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     float* pdown = reinterpret_cast<float*>(base + p.off_pdown);
     dim3 pgrid(p.tiles, p.ksplit);
 #define DJV_PROJ(NT)                                                                                                   \
-    qkv_proj_kernel<T, NT><<<pgrid, kProjThreads, kRingBytes, st>>>(                                                   \
+    qkv_proj_kernel<T, NT><<<pgrid, kProjThreads, 0, st>>>(                                                            \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.ksplit)
-    cudaError_t e = cudaFuncSetAttribute(qkv_proj_kernel<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)kRingBytes);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(qkv_proj_kernel<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kRingBytes);
-    if (e != cudaSuccess) return (int)e;
     if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
 #undef DJV_PROJ
-    e = cudaGetLastError();
+    cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
     const T* rct = static_cast<const T*>(rc);

@@ -1,11 +1,9 @@
 // DejaVuSparseMLP kernels (docs/ops.md): two launches.
-//  1. up_kernel: stream-K over (16 active neurons) x (256 elements of d) units, one wave of CTAs; up (and
-//     gate) dot products on the tensor cores, bias + activation fused, writes the activations a[16][Mpad]
-//     in the I/O dtype.
+//  1. up_kernel: 16 active neurons per CTA (x optional split of d over CTAs); up (and gate) dot products on
+//     the tensor cores, bias + activation fused, writes the activations a[16][Mpad] in the I/O dtype.
 //  2. djv::down_kernel: streams the same neurons' w_down_t rows, partial sums per column slice, the last
 //     CTA of a slice adds them in a fixed order plus b_down.
-// Every active weight byte is loaded once (16-byte cp.async through a per-thread shared-memory ring, L1
-// bypassed); inactive rows are never touched.
+// Every active weight byte is loaded once (16-byte, L1-bypassing loads); inactive rows are never touched.
 #include "dejavu_kernels.h"
 #include "djv_device.cuh"
 
@@ -18,90 +16,63 @@ template <int ACT> __device__ __forceinline__ float activate(float u) {
 }
 
 constexpr int kUpThreads = 256;
-constexpr int kUnit = 256;  // stream-K work unit: 16 rows x 256 elements of d
 
-// Stream-K up projection: the (tile of 16 active neurons) x (256-element slices of d) units, tile-major,
-// are dealt in equal contiguous ranges to G CTAs (G = the CTAs that fit at once), so every CTA streams
-// the same number of bytes (+-1 unit) whatever K is: no partial last wave. A tile whose units span
-// several CTAs is summed by the last of them to arrive, in CTA order (deterministic); each CTA has at most
-// two such partial tiles (its first and its last), stored in part[(cta*2 + slot)].
 template <typename T, int NT, int ACT>
-__global__ void __launch_bounds__(kUpThreads, 2) mlp_up_kernel(const T* __restrict__ x, const int32_t* __restrict__ idx,
-                                                               int bs, int M, int Mpad, const T* __restrict__ w_gate,
-                                                               const T* __restrict__ w_up, const T* __restrict__ b_up,
-                                                               T* __restrict__ act, float* __restrict__ part,
-                                                               unsigned* __restrict__ ctr, int B, int d, int G) {
+__global__ void __launch_bounds__(kUpThreads) mlp_up_kernel(const T* __restrict__ x, const int32_t* __restrict__ idx,
+                                                            int bs, int M, int Mpad, const T* __restrict__ w_gate,
+                                                            const T* __restrict__ w_up, const T* __restrict__ b_up,
+                                                            T* __restrict__ act, float* __restrict__ part,
+                                                            unsigned* __restrict__ ctr, int B, int d, int ksplit) {
     constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : 1;
     constexpr int NW = kUpThreads / 32;
-    extern __shared__ __align__(16) unsigned char dsm[];
-    uint4* ring = reinterpret_cast<uint4*>(dsm);
-    float* red = reinterpret_cast<float*>(dsm);  // NW*NMAT*256 floats, aliases the (drained) ring
+    __shared__ float red[NW * NMAT * 256];
     const int lane = threadIdx.x & 31, g = lane >> 2, wid = threadIdx.x >> 5;
-    const int upt = cdiv(d, kUnit), tiles = Mpad / 16;
-    const long long total = (long long)tiles * upt;
-    const int cta = blockIdx.x;
-    const long long u0 = (long long)cta * total / G, u1 = (long long)(cta + 1) * total / G;
-    auto start_of = [&](int cc) { return (long long)cc * total / G; };
-    auto cta_of = [&](long long u) { return (int)(((u + 1) * G - 1) / total); };
+    const int tile = blockIdx.x, ks = blockIdx.y;
+    const int m0 = tile * 16 + g, m1 = m0 + 8;
+    const size_t row0 = (size_t)expand_row(idx, m0 < M ? m0 : M - 1, bs);
+    const size_t row1 = (size_t)expand_row(idx, m1 < M ? m1 : M - 1, bs);
     const T* mats[NMAT];
     if (NMAT == 2) { mats[0] = w_gate; mats[NMAT - 1] = w_up; } else { mats[0] = w_up; }
-    for (int tile = (int)(u0 / upt); (long long)tile * upt < u1; ++tile) {
-        const long long ts = (long long)tile * upt, te = ts + upt;
-        const long long s0 = u0 > ts ? u0 : ts, s1 = u1 < te ? u1 : te;
-        const int kb = (int)(s0 - ts) * kUnit, ke = min(d, (int)(s1 - ts) * kUnit);
-        const int m0 = tile * 16 + g, m1 = m0 + 8;
-        const size_t row0 = (size_t)expand_row(idx, m0 < M ? m0 : M - 1, bs);
-        const size_t row1 = (size_t)expand_row(idx, m1 < M ? m1 : M - 1, bs);
-        const T* r0[NMAT];
-        const T* r1[NMAT];
+    const T* r0[NMAT];
+    const T* r1[NMAT];
 #pragma unroll
-        for (int m = 0; m < NMAT; ++m) { r0[m] = mats[m] + row0 * d; r1[m] = mats[m] + row1 * d; }
-        float acc[NMAT][NT][4] = {};
-        tile_dot<T, NT, NMAT>(r0, r1, x, B, d, kb, ke, wid, NW, acc, ring);
-        cta_reduce_tile<NT, NMAT>(acc, red, NW);  // red[m*256 + row*16 + batch]
-        if (s0 != ts || s1 != te) {  // this CTA holds only part of the tile
-            float* my = part + ((size_t)cta * 2 + (u0 >= ts ? 0 : 1)) * NMAT * 256;
-            for (int i = threadIdx.x; i < NMAT * 256; i += blockDim.x) my[i] = red[i];
-            const int c0 = cta_of(ts), c1 = cta_of(te - 1);
-            if (!last_arrival(ctr + tile, (unsigned)(c1 - c0 + 1))) continue;
-            for (int i = threadIdx.x; i < NMAT * 256; i += blockDim.x) {
-                float s = 0.f;
-                for (int cc = c0; cc <= c1; ++cc)
-                    s += __ldcg(part + ((size_t)cc * 2 + (start_of(cc) >= ts ? 0 : 1)) * NMAT * 256 + i);
-                red[i] = s;
-            }
-            __syncthreads();
+    for (int m = 0; m < NMAT; ++m) { r0[m] = mats[m] + row0 * d; r1[m] = mats[m] + row1 * d; }
+
+    const int chunk = ksplit_chunk(d, ksplit);
+    const int kb = ks * chunk, ke = min(d, kb + chunk);
+    float acc[NMAT][NT][4] = {};
+    tile_dot<T, NT, NMAT, 4>(r0, r1, x, B, d, kb, ke, wid, NW, acc);
+    cta_reduce_tile<NT, NMAT>(acc, red, NW);  // red[m*256 + row*16 + batch]
+
+    if (ksplit > 1) {
+        float* my = part + ((size_t)tile * ksplit + ks) * NMAT * 256;
+        for (int i = threadIdx.x; i < NMAT * 256; i += blockDim.x) my[i] = red[i];
+        if (!last_arrival(ctr + tile, (unsigned)ksplit)) return;
+        for (int i = threadIdx.x; i < NMAT * 256; i += blockDim.x) {
+            float s = 0.f;
+            for (int k = 0; k < ksplit; ++k) s += __ldcg(part + ((size_t)tile * ksplit + k) * NMAT * 256 + i);
+            red[i] = s;
         }
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-            const int row = i >> 4, b = i & 15, m = tile * 16 + row;
-            float v = 0.f;  // padded neurons and batch rows: exactly zero so they contribute nothing
-            if (m < M && b < B) {
-                if (ACT == DJV_SILU_GLU) {
-                    const float gt = red[i], up = red[256 + i];
-                    v = gt / (1.f + __expf(-gt)) * up;
-                } else {
-                    const float bias = b_up ? to_f(b_up[expand_row(idx, m, bs)]) : 0.f;
-                    v = activate<ACT>(red[i] + bias);
-                }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        const int row = i >> 4, b = i & 15, m = tile * 16 + row;
+        float v = 0.f;  // padded neurons and batch rows: exactly zero so they contribute nothing
+        if (m < M && b < B) {
+            if (ACT == DJV_SILU_GLU) {
+                const float gt = red[i], up = red[256 + i];
+                v = gt / (1.f + __expf(-gt)) * up;
+            } else {
+                const float bias = b_up ? to_f(b_up[expand_row(idx, m, bs)]) : 0.f;
+                v = activate<ACT>(red[i] + bias);
             }
-            act[(size_t)b * Mpad + m] = from_f<T>(v);
         }
-        __syncthreads();  // red aliases the ring the next tile fills
+        act[(size_t)b * Mpad + m] = from_f<T>(v);
     }
 }
 
-template <typename T, int NT, int ACT> int up_resident() {
-    return occupancy(mlp_up_kernel<T, NT, ACT>, kUpThreads, kRingBytes) * sm_count();
-}
-int up_resident_for(int B, int act) {
-    const bool two = B > 8;
-    if (act == DJV_SILU_GLU) return two ? up_resident<__half, 2, DJV_SILU_GLU>() : up_resident<__half, 1, DJV_SILU_GLU>();
-    if (act == DJV_GELU) return two ? up_resident<__half, 2, DJV_GELU>() : up_resident<__half, 1, DJV_GELU>();
-    return two ? up_resident<__half, 2, DJV_RELU>() : up_resident<__half, 1, DJV_RELU>();
-}
-
 struct MlpPlan {
-    int M, Mpad, tiles, G, S;
+    int M, Mpad, tiles, ksplit, S;
     size_t off_act, off_up, off_down, total;
 };
 
@@ -110,14 +81,12 @@ MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
     p.M = K * bs;
     p.Mpad = (int)align_up((size_t)p.M, 16);
     p.tiles = p.Mpad / 16;
-    const long long units = (long long)p.tiles * cdiv(d, kUnit);
-    const int res = up_resident_for(B, act);
-    p.G = units < res ? (int)units : res;
-    p.S = down_splits(d, p.Mpad, B);
+    p.ksplit = tile_ksplit(p.tiles, d);
+    p.S = down_splits(d, p.Mpad);
     const int nmat = act == DJV_SILU_GLU ? 2 : 1;
     size_t o = kCounterBytes;
     p.off_act = o; o = align_up(o + (size_t)16 * p.Mpad * esize, 256);
-    p.off_up = o; o = align_up(o + (size_t)p.G * 2 * nmat * 256 * 4, 256);
+    p.off_up = o; o = align_up(o + (p.ksplit > 1 ? (size_t)p.tiles * p.ksplit * nmat * 256 * 4 : 0), 256);
     p.off_down = o; o = align_up(o + (p.S > 1 ? (size_t)p.S * B * d * 4 : 0), 256);
     p.total = o;
     return p;
@@ -128,11 +97,9 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 template <typename T, int NT, int ACT>
 cudaError_t run_up(const MlpPlan& p, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu, const T* bu,
                    T* act, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
-    cudaError_t e = cudaFuncSetAttribute(mlp_up_kernel<T, NT, ACT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)kRingBytes);
-    if (e != cudaSuccess) return e;
-    mlp_up_kernel<T, NT, ACT><<<p.G, kUpThreads, kRingBytes, st>>>(x, idx, bs, p.M, p.Mpad, wg, wu, bu, act, part, ctr,
-                                                                   B, d, p.G);
+    dim3 grid(p.tiles, p.ksplit);
+    mlp_up_kernel<T, NT, ACT><<<grid, kUpThreads, 0, st>>>(x, idx, bs, p.M, p.Mpad, wg, wu, bu, act, part, ctr, B, d,
+                                                            p.ksplit);
     return cudaGetLastError();
 }
 
