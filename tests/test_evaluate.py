@@ -74,7 +74,8 @@ def test_evaluate_json_report_and_plan(cli, opt_dir, small_text, tiny_opt):
                 "predictor_bytes_fraction"):
         assert key in r, key
     dims = tiny_opt.dims
-    assert r["tokens"] >= 511 and r["ppl_dense"] < r["ppl_oracle"] <= r["ppl_sparse"]
+    assert r["tokens"] == 512 // r["seq_len"] * (r["seq_len"] - 1)   # scored next-token predictions
+    assert r["ppl_dense"] < r["ppl_oracle"] <= r["ppl_sparse"]
     assert r["mlp_kept_units"] == [dims.intermediate_size // 2] * dims.num_layers
     assert r["heads_kept"] == [3] * dims.num_layers
     assert len(r["recall_mlp_per_layer"]) == dims.num_layers and 0 < r["recall_mlp"] <= 1
