@@ -284,6 +284,11 @@ __global__ void __launch_bounds__(256) down_kernel(const T* __restrict__ act, in
 // grid just over a multiple of 2*SMs leaves most SMs idle for a whole extra "wave": we size grids to
 // fill the resident slots instead. Depends on the current device's SM count, so workspace sizes must be
 // queried on the device that runs the op.
+inline int sm_count() {
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return sms > 0 ? sms : 132;
+}
 inline int resident_ctas() {
     int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
