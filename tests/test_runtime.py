@@ -279,3 +279,18 @@ def test_out_of_memory_reports_sizes(cli, llama_pkg, monkeypatch):
     monkeypatch.undo()
     assert code == 2
     assert "out of memory allocating the KV cache (1, 2, " in err and "GiB" in err and "batch 1 x context" in err
+
+
+def test_metrics_port_serves_prometheus_text(llama_pkg):
+    import socket
+    import urllib.request
+
+    from dejavu_trt.runtime.engine import Engine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    eng = Engine.load(llama_pkg[0], metrics_port=port)
+    eng.generate("Hello", max_new_tokens=3)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for name in ("dejavu_predictor_accuracy_ratio", "dejavu_active_sparsity_percentage", "inference_tbt_latency_ms_bucket"):
+        assert name in body
