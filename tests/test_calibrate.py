@@ -25,6 +25,11 @@ def _capture_inputs(model, modules, ids):
     return got, out
 
 
+def _rows(t):
+    """[b, t, x] or [b*t, x] (OPT flattens inside the MLP) -> [tokens, x]."""
+    return t.reshape(-1, t.shape[-1])
+
+
 def _direct_head_norms(o, w_o, H):
     """||W_o[:, h] o_h|| by the definition, one head at a time."""
     hd = o.shape[-1] // H
@@ -58,11 +63,11 @@ def test_opt_activity_is_relu_fc1(tiny_opt, tiny_opt_workdir):
     rec = wd.records("calibration")
     for l in range(L):
         fc1 = ad.mlp_input_module(l)
-        expect = torch.relu(got[f"fc1.{l}"][0] @ fc1.weight.T + fc1.bias)
+        expect = torch.relu(_rows(got[f"fc1.{l}"]) @ fc1.weight.T + fc1.bias)
         torch.testing.assert_close(rec.mlp(l)[:T].float(), expect, rtol=2e-3, atol=2e-3)
         assert (rec.mlp(l)[:T] == 0).float().mean() > 0.2  # a trained ReLU MLP is sparse
-        torch.testing.assert_close(rec.hidden(l)[:T].float(), out.hidden_states[l][0], rtol=2e-3, atol=2e-3)
-        heads = _direct_head_norms(got[f"out.{l}"][0], ad.attn_out(l).weight, ad.dims().num_heads)
+        torch.testing.assert_close(rec.hidden(l)[:T].float(), _rows(out.hidden_states[l]), rtol=2e-3, atol=2e-3)
+        heads = _direct_head_norms(_rows(got[f"out.{l}"]), ad.attn_out(l).weight, ad.dims().num_heads)
         torch.testing.assert_close(rec.heads(l)[:T], heads, rtol=1e-4, atol=1e-4)
 
 
@@ -77,11 +82,11 @@ def test_llama_activity_is_abs_swiglu(smollm2, smollm2_workdir):
     rec = wd.records("calibration")
     for l in layers:
         mlp = ad.layers()[l].mlp
-        x = got[f"mlp.{l}"][0]
+        x = _rows(got[f"mlp.{l}"])
         expect = (F.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T)).abs()
         torch.testing.assert_close(rec.mlp(l)[:64].float(), expect, rtol=5e-3, atol=2e-3)
-        torch.testing.assert_close(rec.hidden(l)[:64].float(), out.hidden_states[l][0], rtol=5e-3, atol=5e-3)
-        heads = _direct_head_norms(got[f"out.{l}"][0], ad.attn_out(l).weight, ad.dims().num_heads)
+        torch.testing.assert_close(rec.hidden(l)[:64].float(), _rows(out.hidden_states[l]), rtol=5e-3, atol=5e-3)
+        heads = _direct_head_norms(_rows(got[f"out.{l}"]), ad.attn_out(l).weight, ad.dims().num_heads)
         torch.testing.assert_close(rec.heads(l)[:64], heads, rtol=1e-3, atol=1e-4)
 
 

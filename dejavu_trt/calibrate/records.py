@@ -75,7 +75,8 @@ class CalibrationRecords:
         if not self.shards:
             raise ArtifactError(f"{workdir} holds no {split} records; re-run `dejavu-trt calibrate`")
 
-    def _read(self, key: str) -> torch.Tensor:
+    def _read(self, key: str | None) -> torch.Tensor | None:
+        """Concatenate `key` over the shards (None: only check every shard's header)."""
         from safetensors import safe_open
 
         parts = []
@@ -86,6 +87,8 @@ class CalibrationRecords:
                     meta = f.metadata() or {}
                     if meta.get("tool") != TOOL or meta.get("format") != RECORDS_FORMAT:
                         raise ArtifactError(f"{path} is not a dejavu-trt calibration shard (foreign file)")
+                    if key is None:
+                        continue
                     if key not in f.keys():
                         raise ArtifactError(f"{path} has no {key!r} records; re-run `dejavu-trt calibrate`")
                     parts.append(f.get_tensor(key))
@@ -94,7 +97,10 @@ class CalibrationRecords:
             except Exception as e:  # safetensors raises several types for bad headers
                 raise ArtifactError(f"{path} is not a readable safetensors file ({e.__class__.__name__}); "
                                     f"re-run `dejavu-trt calibrate`") from None
-        return torch.cat(parts)
+        return torch.cat(parts) if key is not None else None
+
+    def check_headers(self) -> None:
+        self._read(None)
 
     def tokens(self) -> torch.Tensor:
         return self._read("tokens")

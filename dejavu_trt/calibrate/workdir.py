@@ -47,8 +47,11 @@ class WorkDir:
         return CalibrationRecords(self.path, split, self.config["splits"][split]["shards"])
 
     def verify_records(self) -> None:
+        """Checksums and shard headers of every record file, before any long work starts."""
         names = [n for s in self.config["splits"].values() for n in s["shards"]]
         verify_files(self.path, self.manifest, names)
+        for split in self.config["splits"]:
+            self.records(split).check_headers()
 
 
 def open_workdir(path: str | Path, verify: bool = False) -> WorkDir:
@@ -105,6 +108,24 @@ def record_split(loaded, windows: torch.Tensor, root: Path, split: str, *, block
     return writer
 
 
+def _enough_windows(docs, tokenizer, seq_len: int, need: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Split windows of the shortest document prefix that holds `need` tokens per split.
+
+    Window i's split depends only on i, so a prefix's windows are exactly the first windows of the
+    whole corpus: tokenising only what is needed gives the same records, much sooner (SOTU is ~2M
+    tokens, a test calibration needs a few thousand).
+    """
+    from ..data.corpus import split_windows, tokenize_documents
+
+    parts, used, chunk = [], 0, 8
+    while True:
+        parts.append(tokenize_documents(docs[used:used + chunk], tokenizer))
+        used, chunk = used + chunk, chunk * 2
+        windows = split_windows(torch.cat(parts), seq_len)
+        if used >= len(docs) or all(windows[s].shape[0] * seq_len >= n for s, n in need.items()):
+            return windows
+
+
 def _load_quietly(model: str, dtype: str, device: str):
     """load_model without transformers' weight-loading bar, so a user error after it stays one line."""
     from transformers.utils import logging as hf_logging
@@ -124,7 +145,7 @@ def calibrate(model: str, corpus: str, tokens: int, out: str | Path, *, seq_len:
               block_size: int = 1, batch_windows: int = 4, shard_tokens: int = 4096,
               dtype: str = "fp32", device: str = "cpu", progress: bool = True) -> WorkDir:
     """Calibrate `model` on `tokens` tokens of `corpus` into the work dir `out` (atomically)."""
-    from ..data.corpus import load_documents, split_windows, take_tokens, tokenize_documents
+    from ..data.corpus import load_documents, take_tokens
     from ..models.loading import locate, model_fingerprint
     from ..models.registry import resolve
 
@@ -146,8 +167,8 @@ def calibrate(model: str, corpus: str, tokens: int, out: str | Path, *, seq_len:
         raise DejaVuError(f"--block-size {block_size} does not divide the {dims.intermediate_size} MLP neurons")
     if seq_len > dims.max_position:
         raise DejaVuError(f"--seq-len {seq_len} exceeds the model's {dims.max_position} positions")
-    windows = split_windows(tokenize_documents(docs, loaded.tokenizer), seq_len)
     val_tokens = max(seq_len, int(tokens * VALIDATION_SHARE))
+    windows = _enough_windows(docs, loaded.tokenizer, seq_len, {"calibration": tokens, "validation": val_tokens})
     chosen = {"calibration": take_tokens(windows["calibration"], tokens, "calibration", corpus),
               "validation": take_tokens(windows["validation"], val_tokens, "validation", corpus)}
 
