@@ -68,6 +68,7 @@ def render_png(r: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     layers = list(range(len(r["mlp_kept_fraction"])))
     nan = float("nan")
@@ -82,6 +83,7 @@ def render_png(r: dict, path: Path) -> None:
     ax2.plot(layers, r["head_kept_fraction"], "s-", label="heads")
     ax2.set_ylabel("kept fraction")
     ax2.set_xlabel("layer")
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_ylim(0, 1.05)
     ax2.legend()
     ax2.grid(alpha=0.3)
