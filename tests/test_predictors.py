@@ -123,3 +123,13 @@ def test_smollm2_recall(smollm2_workdir):
     assert sum(mlp) / len(mlp) == pytest.approx(report["recall_mlp_mean"], abs=2e-3)
     assert sum(heads) / len(heads) == pytest.approx(report["recall_heads_mean"], abs=2e-3)
     assert sum(mlp) / len(mlp) >= 0.9, f"MLP recall at 50% kept: mean {sum(mlp) / len(mlp):.3f}, min {min(mlp):.3f}"
+
+
+def test_recall_counts_ties_as_hits():
+    act = torch.tensor([[3.0, 0.0, 0.0, 0.0, 0.0, 2.0]])  # top-3 = {0, 5, any zero}
+    assert topk_recall(torch.tensor([[9.0, 0.0, 0.0, 0.0, 5.0, 8.0]]), act, 3).item() == 1.0
+    assert topk_recall(torch.tensor([[0.0, 9.0, 8.0, 0.0, 0.0, 7.0]]), act, 3).item() == pytest.approx(2 / 3)
+    torch.manual_seed(0)
+    a, s = torch.rand(64, 40), torch.rand(64, 40)  # no ties: plain set overlap
+    oracle = torch.zeros_like(a, dtype=torch.bool).scatter_(-1, a.topk(10, -1).indices, True)
+    torch.testing.assert_close(topk_recall(s, a, 10), oracle.gather(-1, s.topk(10, -1).indices).float().mean(-1))

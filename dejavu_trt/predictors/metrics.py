@@ -16,10 +16,19 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def topk_recall(pred_scores: torch.Tensor, activity: torch.Tensor, k: int) -> torch.Tensor:
-    """Per-row recall |top_k(pred) ∩ top_k(activity)| / k, shape [..]."""
-    hit = topk_mask(activity, k)
-    idx = pred_scores.topk(k, dim=-1).indices
-    return hit.gather(-1, idx).float().mean(-1)
+    """Per-row recall |top_k(pred) ∩ top_k(activity)| / k, shape [..].
+
+    Ties: a unit whose activity equals the k-th largest belongs to *some* oracle top-k set, so it
+    counts as a hit, up to
+    the number of places the oracle fills with tied units. This matters for ReLU models, where at 50% kept the oracle set is often filled
+    up with exact zeros in arbitrary order; without it recall would punish picking a different zero.
+    """
+    kth = activity.topk(k, dim=-1).values[..., -1:]
+    picked = activity.gather(-1, pred_scores.topk(k, dim=-1).indices)
+    above = (picked > kth).sum(-1)
+    tied = (picked == kth).sum(-1)
+    tie_slots = k - (activity > kth).sum(-1)  # places the oracle set fills with tied units
+    return (above + torch.minimum(tied, tie_slots)).float() / k
 
 
 def mass_recall(pred_scores: torch.Tensor, activity: torch.Tensor, k: int) -> torch.Tensor:
