@@ -71,8 +71,14 @@ def test_build_then_generate_equals_sparse_reference(cli, tmp_path, monkeypatch,
     from dejavu_trt.artifacts import load_safetensors
     from dejavu_trt.sparsity.plan import SparsityPlan
 
+    import shutil
     monkeypatch.chdir(tmp_path)
-    args = ["build", "smollm2-135m", "--sparsity", "0.5", "--dtype", "fp32", "--workdir", smollm2_workdir,
+    # build reads only the work dir's manifest and predictors: copy those (the shared fixture is read-only).
+    wd = tmp_path / "calibrated"
+    wd.mkdir()
+    for name in ("manifest.json", "predictors.safetensors"):
+        shutil.copy2(smollm2_workdir / name, wd / name)
+    args = ["build", "smollm2-135m", "--sparsity", "0.5", "--dtype", "fp32", "--workdir", wd,
             "--tokens", "1024", "--max-context", "128", "--no-progress", "--out", "engines/sm"]
     code, out, err = cli(*args)
     assert code == 0, err

@@ -182,6 +182,8 @@ def _reuse_workdir(path: Path, fingerprint: str, say) -> tuple[Path, str]:
     entry = wd.manifest.get("files", {}).get(steps.PREDICTORS_FILE)
     if entry is None:
         raise DejaVuError(f"--workdir {path} has no trained predictors; run `dejavu-trt train-predictors {path}` first")
+    from ..artifacts import verify_files
+    verify_files(path, wd.manifest, [steps.PREDICTORS_FILE])   # a changed predictors file is refused
     theirs = wd.config.get("model", {}).get("fingerprint")
     if theirs and theirs != fingerprint:
         raise DejaVuError(f"--workdir {path} was calibrated for another model ({wd.config['model'].get('alias')}); "
