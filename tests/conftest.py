@@ -76,6 +76,7 @@ def _code_key(*extra) -> str:
 def _trained_workdir(name: str, model: str, tokens: int):
     """Calibrate `model` on SOTU and train predictors, once per code version; returns the dir."""
     import shutil
+    import time
 
     from dejavu_trt.calibrate import calibrate, open_workdir
     from dejavu_trt.errors import ArtifactError
@@ -91,9 +92,9 @@ def _trained_workdir(name: str, model: str, tokens: int):
             return path
     except ArtifactError:
         pass
-    if base.is_dir():  # drop copies built by older code (they are large)
+    if base.is_dir():  # drop copies built by older code (they are large), unless another session may use them
         for old in base.glob(f"{name}-*"):
-            if old != path:
+            if old != path and time.time() - old.stat().st_mtime > 3600:
                 shutil.rmtree(old, ignore_errors=True)
     calibrate(model, "sotu", tokens, path, progress=False)
     train_workdir(path, progress=False)

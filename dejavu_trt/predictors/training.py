@@ -13,6 +13,13 @@ Per layer and per target (MLP units, heads), two steps:
    the report fraction (50% of MLP units; 6 of 9 heads scaled to the model's head count).
 
 Layers are trained one at a time, so memory is one layer's records whatever the model size.
+
+Measured on SmolLM2-135M (SwiGLU), 8192 calibration / 2048 validation SOTU tokens, rank 64: MLP
+recall at 50% kept is 0.68 mean (0.64 min; layers 1-14 ≈ 0.64-0.66, the last layers up to 0.79),
+and the predicted half keeps 83% of the oracle half's activity; heads at 6/9 reach 0.90. Neither
+per-token ranks, BCE fine-tuning, rank 128, a 512-unit ReLU hidden layer nor a bias term moved MLP
+recall by more than ~0.015: |silu(g·x)·(u·x)| is not well predicted by any linear score, even of
+the layer's own MLP input (see the predictors report in the work dir for per-layer numbers).
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ REPORT_HEAD_FRACTION = 6 / 9
 @dataclass
 class TrainConfig:
     rank_mlp: int = 64
-    rank_heads: int = 32
+    rank_heads: int = 16
     epochs: int = 0
     lr: float = 2e-3
     batch_tokens: int = 512
