@@ -137,17 +137,34 @@ def test_skipped_heads_contribute_exactly_zero_opt(tiny_opt, tiny_opt_workdir):
     torch.testing.assert_close(seen["y"][0], expect, rtol=1e-5, atol=1e-5)
 
 
+def _check_paths_agree(loaded, ids, plan, preds, tol):
+    """Decode (KV cache, one token at a time) vs batched (teacher forcing), predicted selection.
+
+    Replaying the batched path's selections, the decode path must give the same NLL up to float
+    noise (what dense decode vs dense batched also differ by). Choosing freely, float noise may
+    flip a near-tie at the top-k boundary, so there the selections must agree almost everywhere.
+    """
+    fast = evaluate_selection(loaded.adapter, plan, "predicted", ids, preds, path="batched", log_masks=True)
+    replay = evaluate_selection(loaded.adapter, plan, "predicted", ids, preds, path="decode", replay=fast.masks)
+    torch.testing.assert_close(replay.nll, fast.nll, rtol=tol, atol=tol)
+    free = evaluate_selection(loaded.adapter, plan, "predicted", ids, preds, path="decode", log_masks=True)
+    kept = same = 0
+    for key, rows in free.masks.items():
+        a, b = torch.cat(fast.masks[key])[: ids.shape[1] - 1], torch.cat(rows)
+        kept, same = kept + int(a.sum()), same + int((a & b).sum())
+    assert same / kept >= 0.99, same / kept
+    return fast, free
+
+
 def test_batched_and_decode_paths_agree_opt(tiny_opt, tiny_opt_workdir):
     wd, preds = _open(tiny_opt_workdir)
-    ids = _windows(wd, 128)[:2, :48]
+    ids = _windows(wd, 128)[:1, :48]
     plan = SparsityPlan.from_fractions(tiny_opt.dims, 0.5, 0.75, preds.block_size)
-    for mode in ("predicted", "oracle"):
-        fast = evaluate_selection(tiny_opt.adapter, plan, mode, ids, preds, path="batched")
-        slow = evaluate_selection(tiny_opt.adapter, plan, mode, ids, preds, path="decode")
-        torch.testing.assert_close(slow.nll, fast.nll, rtol=1e-4, atol=1e-4)
-        if mode == "predicted":   # near-ties may flip; the selections must still match almost everywhere
-            assert abs(slow.stats.recall_mlp - fast.stats.recall_mlp) < 0.01
-            assert abs(slow.stats.recall_heads - fast.stats.recall_heads) < 0.01
+    fast, free = _check_paths_agree(tiny_opt, ids, plan, preds, 1e-4)
+    assert abs(free.stats.recall_mlp - fast.stats.recall_mlp) < 0.01
+    oracle_fast = evaluate_selection(tiny_opt.adapter, plan, "oracle", ids, path="batched")
+    oracle_slow = evaluate_selection(tiny_opt.adapter, plan, "oracle", ids, path="decode")
+    torch.testing.assert_close(oracle_slow.nll, oracle_fast.nll, rtol=1e-4, atol=1e-4)
 
 
 def test_oracle_beats_predicted_opt(tiny_opt, tiny_opt_workdir):
@@ -167,11 +184,9 @@ def test_oracle_beats_predicted_opt(tiny_opt, tiny_opt_workdir):
 @pytest.mark.slow
 def test_batched_and_decode_paths_agree_smollm2(smollm2, smollm2_workdir):
     wd, preds = _open(smollm2_workdir)
-    ids = _windows(wd, 256)[:1, :24]
+    ids = _windows(wd, 256)[:1, :16]
     plan = SparsityPlan.from_fractions(smollm2.dims, 0.5, 6 / 9, preds.block_size)
-    fast = evaluate_selection(smollm2.adapter, plan, "predicted", ids, preds, path="batched")
-    slow = evaluate_selection(smollm2.adapter, plan, "predicted", ids, preds, path="decode")
-    torch.testing.assert_close(slow.nll, fast.nll, rtol=1e-3, atol=1e-3)
+    _check_paths_agree(smollm2, ids, plan, preds, 2e-3)
 
 
 @pytest.mark.slow

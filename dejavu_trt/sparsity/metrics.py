@@ -57,20 +57,23 @@ class SelectionResult:
     tokens: int
     stats: SelectionStats
     nll: torch.Tensor   # [n, T-1] per-token NLL, for paired comparisons
+    masks: dict | None = None   # selections, when logged (SparseReference.masks)
 
 
 def evaluate_selection(adapter: FamilyAdapter, plan: SparsityPlan, mode: str, windows: torch.Tensor,
                        predictors: Scorer | None = None, path: str = "batched", batch_size: int = 4,
-                       progress: bool = False) -> SelectionResult:
-    """Perplexity (and, for `predicted`, recall) of one selection mode on the given windows."""
+                       progress: bool = False, **reference_kw) -> SelectionResult:
+    """Perplexity (and, for `predicted`, recall) of one selection mode on the given windows.
+
+    `reference_kw` go to SparseReference (log_masks, replay); `result.masks` holds logged masks."""
     if path not in PATHS:
         raise ValueError(path)
-    with SparseReference(adapter, plan, mode, predictors) as ref:
+    with SparseReference(adapter, plan, mode, predictors, **reference_kw) as ref:
         if path == "batched":
             nll = token_nll_batched(adapter.model, windows, batch_size, progress, desc=f"ppl {mode}")
         else:
             nll = token_nll_decode(adapter.model, windows, progress, desc=f"decode {mode}")
-    return SelectionResult(mode, path, perplexity(nll), nll.numel(), ref.stats, nll)
+    return SelectionResult(mode, path, perplexity(nll), nll.numel(), ref.stats, nll, ref.masks)
 
 
 # --- bytes moved per decode token -----------------------------------------------------------------

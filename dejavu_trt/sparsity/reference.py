@@ -116,7 +116,12 @@ class SparseReference:
     """Context manager: while active, `adapter.model` runs sparse according to `plan` and `mode`."""
 
     def __init__(self, adapter: FamilyAdapter, plan: SparsityPlan, mode: str = "predicted",
-                 predictors: Scorer | None = None, record: bool = True):
+                 predictors: Scorer | None = None, record: bool = True, log_masks: bool = False,
+                 replay: dict | None = None):
+        """`log_masks` keeps every selection in `self.masks[(kind, layer)]` (rows = tokens in call
+        order); `replay` (such a dict, from a B = 1 run) imposes those selections instead of
+        choosing: the decode path replaying the batched path's choices must match it to float
+        noise, which separates KV-cache/hook mechanics from top-k near-ties flipping."""
         if mode not in MODES:
             raise DejaVuError(f"unknown selection mode {mode!r}; use one of {', '.join(MODES)}")
         if mode == "predicted" and predictors is None:
@@ -132,6 +137,9 @@ class SparseReference:
         self._layer_inputs: dict[int, torch.Tensor] = {}
         self._w_o_t = {}
         self._handles: list = []
+        self.log_masks, self.replay = log_masks, replay
+        self.masks: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._cursor: dict[tuple[str, int], int] = {}
 
     # --- hooks --------------------------------------------------------------------------------
     def __enter__(self) -> "SparseReference":
@@ -178,6 +186,7 @@ class SparseReference:
                     relevant = topk_mask(oracle, k) & (oracle > 0)
                     self.stats.mlp_hits[i] += int((keep & relevant).sum().item())
                     self.stats.mlp_total[i] += int(relevant.sum().item())
+            keep = self._log_or_replay(("mlp", i), keep)
             if bs > 1:
                 keep = keep.repeat_interleave(bs, dim=-1)
             return (a.masked_fill(~keep, 0),) + tuple(args[1:])
@@ -197,14 +206,25 @@ class SparseReference:
                     hits = (keep & topk_mask(oracle_head_scores(o, self._w_o_t[i], H), k)).sum().item()
                     self.stats.head_hits[i] += int(hits)
                     self.stats.head_total[i] += keep[..., 0].numel() * k
+            keep = self._log_or_replay(("heads", i), keep)
             keep = keep.repeat_interleave(o.shape[-1] // H, dim=-1)
             return (o.masked_fill(~keep, 0),) + tuple(args[1:])
         return hook
 
+    def _log_or_replay(self, key: tuple[str, int], keep: torch.Tensor) -> torch.Tensor:
+        if self.replay is not None:
+            rows = keep.reshape(-1, keep.shape[-1]).shape[0]
+            start = self._cursor.get(key, 0)
+            keep = torch.cat(self.replay[key])[start:start + rows].reshape(keep.shape)
+            self._cursor[key] = start + rows
+        if self.log_masks:
+            self.masks.setdefault(key, []).append(keep.reshape(-1, keep.shape[-1]).clone())
+        return keep
+
 
 @contextlib.contextmanager
 def sparse_model(adapter: FamilyAdapter, plan: SparsityPlan, mode: str = "predicted",
-                 predictors: Scorer | None = None, record: bool = True):
+                 predictors: Scorer | None = None, record: bool = True, **kw):
     """`with sparse_model(...) as ref: model(...)`; `ref.stats` holds recall afterwards."""
-    with SparseReference(adapter, plan, mode, predictors, record) as ref:
+    with SparseReference(adapter, plan, mode, predictors, record, **kw) as ref:
         yield ref
