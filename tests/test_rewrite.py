@@ -185,3 +185,25 @@ def test_bad_inputs(exports, tmp_path, cli):
     for e in (err,):
         assert len(e.strip().splitlines()) == 1
     assert not list(tmp_path.glob("*.sparse.onnx"))   # nothing half-written
+
+
+def test_workdir_pipeline_with_trained_predictors(tiny_opt, tiny_opt_workdir, exports, tmp_path, cli):
+    """export WORKDIR -> rewrite (work dir found through the export manifest) -> compare with torch-sparse."""
+    code, out, err = cli("export", tiny_opt_workdir, "--out", tmp_path / "exp", "--max-context", "32")
+    assert code == 0, err
+    dense = tmp_path / "exp" / "decode.onnx"
+    code, out, err = cli("rewrite", dense, "--sparsity", "0.5", "--head-sparsity", "0.75")
+    assert code == 0, err
+    sparse = tmp_path / "exp" / "decode.sparse.onnx"
+    meta = {p.key: p.value for p in onnx.load(str(sparse), load_external_data=False).metadata_props}
+    assert json.loads(meta["dejavu_trt.rewrite"])["predictors"] == str(tiny_opt_workdir.resolve())
+    from dejavu_trt.artifacts import read_manifest
+    m = read_manifest(tmp_path / "exp", "export")          # checksums cover the rewritten graph too
+    assert "decode.sparse.onnx" in m["files"] and m["rewrite"]["mlp_kept_units"] == [256] * 4
+    code, out, err = cli("compare", sparse, "torch-sparse", "--json", "--steps", "4")
+    assert code == 0, err
+    assert json.loads(out)["outputs"]["logits"]["rel_to_range"] < 1e-5
+    # A work dir of another model is refused even though the predictor file itself is fine.
+    _, llama_dense, _ = exports["llama"]
+    code, _, err = cli("rewrite", llama_dense, "--workdir", tiny_opt_workdir, "--sparsity", "0.5")
+    assert code == 2 and "calibrated on" in err

@@ -37,7 +37,7 @@ def rewrite_cmd(
                                               "instead of the work dir's."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help=SPARSITY_HELP + " Default: sparsity.json."),
     head_sparsity: Optional[float] = typer.Option(None, "--head-sparsity", help=HEAD_SPARSITY_HELP),
-    kv_policy: str = typer.Option("dense", "--kv-policy", help=KV_POLICY_HELP),
+    kv_policy: str = typer.Option("dense", "--kv-policy", help=KV_POLICY_HELP),  # == rewrite.DEFAULT_KV_POLICY
     out: Optional[Path] = typer.Option(None, "--out", help="Output file; default decode.sparse.onnx next to the input."),
 ) -> None:
     """Replace each layer's MLP and attention with dejavu_trt plugin nodes and add the lookahead predictors."""

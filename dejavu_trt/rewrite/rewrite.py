@@ -106,6 +106,18 @@ def load_predictors(source: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_same_model(workdir: Path, graph_model: str | None) -> None:
+    """A work dir calibrated on another model than the graph's is refused (same shapes or not)."""
+    from ..export.stage import model_of_workdir
+
+    if not (workdir / MANIFEST).is_file() or not graph_model:
+        return  # load_predictors gives the precise error
+    wd_model, _ = model_of_workdir(workdir)
+    if Path(wd_model).name != Path(graph_model).name:
+        raise DejaVuError(f"work dir {workdir} was calibrated on {wd_model}, but the graph is of {graph_model}; "
+                          f"pass the work dir of this model")
+
+
 def check_predictors(pred: dict[str, torch.Tensor], cfg: DecodeConfig, block_size: int) -> None:
     nb = cfg.intermediate_size // block_size
     want = {"mlp_a": (cfg.hidden_size, None), "mlp_b": (None, nb), "head_a": (cfg.hidden_size, None),
@@ -323,6 +335,8 @@ def rewrite(onnx_path: str | Path, out: str | Path | None = None, *, workdir: st
     wd = Path(workdir) if workdir is not None else None
     if predictors is None:
         wd = find_workdir(onnx_path, workdir)
+    if wd is not None:
+        check_same_model(wd, meta.get("model"))
     pred = load_predictors(predictors if predictors is not None else wd)
     block_size = int(pred.pop("__block_size__"))
     if cfg.intermediate_size % block_size:
