@@ -35,10 +35,12 @@ def _windows(wd, tokens):
 
 def test_topk_mask_follows_the_contract_tie_rule():
     g = torch.Generator().manual_seed(0)
-    scores = torch.randint(0, 4, (64, 37), generator=g).float()     # many ties
-    mask = topk_mask(scores, 11)
-    for row, m in zip(scores, mask):
-        assert torch.equal(torch.nonzero(m).flatten().to(torch.int32), topk_sorted(row, 11))
+    for scores in (torch.randint(0, 4, (64, 37), generator=g).float(),    # many ties
+                   torch.randn(64, 37, generator=g)):
+        for k in (1, 11, 36, 37):
+            mask = topk_mask(scores, k)
+            for row, m in zip(scores, mask):
+                assert torch.equal(torch.nonzero(m).flatten().to(torch.int32), topk_sorted(row, k))
 
 
 def test_plan_counts_roundtrip_and_bounds(tmp_path):

@@ -20,7 +20,7 @@ def evaluate(
     max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", help=MAX_PPL_HELP),
     tokens: int = typer.Option(2048, "--tokens", help="Tokens of text to evaluate (whole windows of the work "
                                "dir's seq_len)."),
-    budget_tokens: int = typer.Option(512, "--budget-tokens", help="Validation tokens the --max-ppl-increase "
+    budget_tokens: int = typer.Option(256, "--budget-tokens", help="Validation tokens the --max-ppl-increase "
                                       "search measures on."),
     path: str = typer.Option("batched", "--path", help="batched: full sequences, teacher forcing (fast); "
                              "decode: one token at a time through the KV cache (slow, same result)."),

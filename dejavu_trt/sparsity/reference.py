@@ -55,8 +55,15 @@ class Scorer(Protocol):
 
 def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Boolean mask of each row's k largest scores; ties toward the lower index (ops.reference.topk_sorted)."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, True)
+    if k >= scores.shape[-1]:
+        return torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    # Cheaper than a full stable sort: everything above the k-th value, then the lowest-index
+    # entries equal to it until k are taken.
+    kth = torch.topk(scores, k, dim=-1, sorted=True).values[..., -1:]
+    above = scores > kth
+    at = scores == kth
+    room = k - above.sum(-1, keepdim=True)
+    return above | (at & (at.cumsum(-1) <= room))
 
 
 def oracle_mlp_scores(a: torch.Tensor, block_size: int) -> torch.Tensor:
