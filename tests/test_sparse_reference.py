@@ -191,22 +191,41 @@ def test_batched_and_decode_paths_agree_smollm2(smollm2, smollm2_workdir):
     _check_paths_agree(smollm2, ids, plan, preds, 2e-3)
 
 
-@pytest.mark.slow
-def test_acceptance_predicted_vs_oracle_smollm2(smollm2, smollm2_workdir):
-    """Issue 2 acceptance on validation text: predicted increase <= 1.5x oracle's (MLP 50%; heads 6/9)."""
+@pytest.fixture(scope="module")
+def smollm2_acceptance(smollm2, smollm2_workdir):
+    """Dense, predicted and oracle perplexity on 2048 validation tokens, per acceptance case (cached)."""
     wd, preds = _open(smollm2_workdir)
     ids = _windows(wd, 2048)
     dims = smollm2.dims
     dense = evaluate_selection(smollm2.adapter, SparsityPlan.dense(dims, preds.block_size), "dense", ids)
-    facts = {}
-    for name, s, h in (("mlp 50%", 0.5, 1.0), ("heads 6/9", 1.0, 6 / 9)):
-        plan = SparsityPlan.from_fractions(dims, s, h, preds.block_size)
-        pred = evaluate_selection(smollm2.adapter, plan, "predicted", ids, preds)
-        oracle = evaluate_selection(smollm2.adapter, plan, "oracle", ids)
-        inc_p, inc_o = pred.ppl / dense.ppl - 1, oracle.ppl / dense.ppl - 1
-        facts[name] = dict(dense=dense.ppl, pred=pred.ppl, oracle=oracle.ppl, recall_mlp=pred.stats.recall_mlp,
-                           recall_heads=pred.stats.recall_heads)
-        print(name, facts[name])
-        assert 0 < inc_o, facts
-        assert inc_p <= 1.5 * inc_o, facts
-    assert facts["mlp 50%"]["recall_mlp"] >= 0.9, facts
+    cache = {}
+
+    def run(case):
+        if case not in cache:
+            s, h = {"mlp 50%": (0.5, 1.0), "heads 6/9": (1.0, 6 / 9)}[case]
+            plan = SparsityPlan.from_fractions(dims, s, h, preds.block_size)
+            pred = evaluate_selection(smollm2.adapter, plan, "predicted", ids, preds)
+            oracle = evaluate_selection(smollm2.adapter, plan, "oracle", ids)
+            cache[case] = dict(dense=dense.ppl, pred=pred.ppl, oracle=oracle.ppl, inc_pred=pred.ppl / dense.ppl - 1,
+                               inc_oracle=oracle.ppl / dense.ppl - 1, recall_mlp=pred.stats.recall_mlp,
+                               recall_heads=pred.stats.recall_heads)
+            print(case, cache[case])
+        return cache[case]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mlp 50%", "heads 6/9"])
+def test_acceptance_predicted_vs_oracle_smollm2(smollm2_acceptance, case):
+    """Issue 2 acceptance on validation text: predicted ppl increase <= 1.5x the oracle's, at the
+    same kept counts (50% of MLP neurons with heads dense; 6 of 9 heads with the MLP dense)."""
+    r = smollm2_acceptance(case)
+    assert 0 < r["inc_oracle"] and r["oracle"] <= r["pred"], r
+    assert r["inc_pred"] <= 1.5 * r["inc_oracle"], r
+
+
+@pytest.mark.slow
+def test_acceptance_mlp_recall_smollm2(smollm2_acceptance):
+    """Issue 2 acceptance: MLP recall >= 0.9 at 50% kept, measured inside the sparse model."""
+    r = smollm2_acceptance("mlp 50%")
+    assert r["recall_mlp"] >= 0.9, r
