@@ -36,6 +36,16 @@ def exports(request, tmp_path_factory):
                 onnx_path = export_decode(str(lm.folder), root / fam, max_context=T, num_layers=layers, loaded=lm)
                 built[fam] = (lm, onnx_path, stand_in_predictors(lm.adapter.dims(), root / f"{fam}-pred.safetensors"))
             return built[fam]
+
+        def rewritten(self, fam, sparsity, head_sparsity, kv_policy="dense"):
+            """A rewrite of the family's export, shared by the tests that ask for the same settings."""
+            key = (fam, sparsity, head_sparsity, kv_policy)
+            if key not in built:
+                _, dense, pred = self[fam]
+                built[key] = rewrite(dense, root / f"{fam}-{sparsity}-{head_sparsity}-{kv_policy}.onnx",
+                                     predictors=pred, sparsity=sparsity, head_sparsity=head_sparsity,
+                                     kv_policy=kv_policy)
+            return built[key]
     return Exports()
 
 
@@ -68,8 +78,7 @@ def test_predicted_sparsity_equals_torch_reference(family, kv_policy, exports, t
     lm, dense, pred = exports[family]
     layers = SMOLLM2_LAYERS if family == "llama" else None
     dims = lm.adapter.dims()
-    sparse = rewrite(dense, tmp_path / "sp.onnx", predictors=pred, sparsity=0.5, head_sparsity=0.67,
-                     kv_policy=kv_policy)
+    sparse = exports.rewritten(family, 0.5, 0.67, kv_policy)
     dm = DecodeModel.from_adapter(lm.adapter, T, layers)
     from dejavu_trt.rewrite.rewrite import load_predictors
     tensors = load_predictors(pred)
@@ -79,12 +88,13 @@ def test_predicted_sparsity_equals_torch_reference(family, kv_policy, exports, t
     toks = tokens_for(lm)
     cache = dm.new_cache(2)
     onnx_steps = ort_decode(session(sparse), dm.cfg, toks)
-    dense_steps = ort_decode(session(dense), dm.cfg, toks)
+    dense_cache = dm.new_cache(2)
     group = dims.num_heads // dims.num_kv_heads
     for t, lg in enumerate(onnx_steps):
         ref = dm.step(toks[:, t], torch.full((2,), t, dtype=torch.int32), cache, plan).numpy()
         assert rel_to_range(lg, ref) < 1e-5, t
-        assert rel_to_range(dense_steps[t], ref) > 1e-3   # the sparsity is real
+        dense_logits = dm.step(toks[:, t], torch.full((2,), t, dtype=torch.int32), dense_cache).numpy()
+        assert rel_to_range(dense_logits, ref) > 1e-3   # the sparsity is real
         for layer, (_, head_idx) in enumerate(plan.record):
             used = set((head_idx.long() // group).tolist())
             for kv in range(dims.num_kv_heads):
@@ -94,7 +104,7 @@ def test_predicted_sparsity_equals_torch_reference(family, kv_policy, exports, t
 
 def test_rewritten_graph_structure(exports, tmp_path):
     lm, dense, pred = exports["llama"]
-    sparse = rewrite(dense, tmp_path / "s.onnx", predictors=pred, sparsity=0.5, head_sparsity=0.67)
+    sparse = exports.rewritten("llama", 0.5, 0.67)
     m = onnx.load(str(sparse))
     assert {(f.name, f.domain) for f in m.functions} == {(n, PLUGIN_NAMESPACE) for n in OP_NAMES}
     plugin = {n.name: n for n in m.graph.node if n.domain == PLUGIN_NAMESPACE}
@@ -126,7 +136,7 @@ def test_rewritten_graph_structure(exports, tmp_path):
 
 def test_rewrite_twice_is_refused(exports, tmp_path, cli):
     _, dense, pred = exports["opt"]
-    once = rewrite(dense, tmp_path / "once.onnx", predictors=pred, sparsity=0.5)
+    once = exports.rewritten("opt", 0.5, 0.67)
     code, _, err = cli("rewrite", once, "--predictors", pred, "--sparsity", "0.5")
     assert code == 2 and "already rewritten" in err
 
