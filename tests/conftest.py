@@ -96,8 +96,19 @@ def _trained_workdir(name: str, model: str, tokens: int):
         for old in base.glob(f"{name}-*"):
             if old != path and time.time() - old.stat().st_mtime > 3600:
                 shutil.rmtree(old, ignore_errors=True)
-    calibrate(model, "sotu", tokens, path, progress=False)
-    train_workdir(path, progress=False)
+    # Build under a private name and rename into place, so concurrent test sessions never replace
+    # a copy another session is reading: the first to finish wins, the others drop theirs.
+    mine = base / f".{path.name}-{os.getpid()}"
+    shutil.rmtree(mine, ignore_errors=True)
+    try:
+        calibrate(model, "sotu", tokens, mine, progress=False)
+        train_workdir(mine, progress=False)
+        os.rename(mine, path)
+    except OSError:
+        if not (path / PREDICTORS_FILE).is_file():
+            raise
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
     return path
 
 
