@@ -23,7 +23,8 @@ def evaluate(
     budget_tokens: int = typer.Option(256, "--budget-tokens", help="Validation tokens the --max-ppl-increase "
                                       "search measures on."),
     path: str = typer.Option("batched", "--path", help="batched: full sequences, teacher forcing (fast); "
-                             "decode: one token at a time through the KV cache (slow, same result)."),
+                             "decode: one token at a time through the KV cache (slow; the same up to top-k near-ties "
+                             "that float noise flips)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON object."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on stderr."),
 ) -> None:
