@@ -15,8 +15,9 @@ selection on a small validation slice:
    (about log2(number of steps) more forward passes). Dense always qualifies, so a plan is always
    found; P too small for any step gives the dense plan.
 
-Cost on 2 CPU cores: SmolLM2-135M (30 layers, 8 levels) with a 256-token slice is ~250 short
-forward passes — minutes, with a progress bar. The slice is small, so the result is tuned to it;
+Cost on 2 CPU cores: SmolLM2-135M (30 layers, 8 levels) with the default 256-token slice is 240 +
+~8 short forward passes, measured 236 s; at P = 0.05 it took 28 of 130 steps (measured +1.6%, 0.845
+of the dense layer bytes incl. predictors). The slice is small, so the result is tuned to it;
 `evaluate` then reports the chosen plan on separate text.
 """
 from __future__ import annotations
