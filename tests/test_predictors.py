@@ -163,3 +163,22 @@ def test_recall_counts_ties_as_hits():
     a, s = torch.rand(64, 40), torch.rand(64, 40)  # no ties: plain set overlap
     oracle = torch.zeros_like(a, dtype=torch.bool).scatter_(-1, a.topk(10, -1).indices, True)
     torch.testing.assert_close(topk_recall(s, a, 10), oracle.gather(-1, s.topk(10, -1).indices).float().mean(-1))
+
+
+def test_reduced_rank_ridge_with_fewer_tokens_than_dims():
+    """A singular Gram matrix (low-rank inputs, e.g. few calibration tokens) must not break the fit
+    (it used Cholesky, which failed on SmolLM2 with --tokens 1024),
+    and the rank-r result must equal the best rank-r approximation of the fitted scores z @ w."""
+    from dejavu_trt.predictors.training import reduced_rank_ridge
+    g = torch.Generator().manual_seed(3)
+    # Inputs confined to a 4-dim subspace: the Gram matrix is singular beyond float32 jitter.
+    z = torch.randn(100, 4, generator=g) @ torch.randn(4, 96, generator=g)
+    z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True))   # the predictors' RMS-normalised inputs
+    t = torch.randn(100, 30, generator=g)
+    a, b = reduced_rank_ridge(z, t, rank=3, ridge=1e-6)
+    assert a.shape == (96, 3) and b.shape == (3, 30) and torch.isfinite(a @ b).all()
+    lam = 1e-6 * (z.T @ z).diagonal().mean()
+    w = torch.linalg.solve(z.T @ z + lam * torch.eye(96), z.T @ t)
+    u, s, vh = torch.linalg.svd(z @ w, full_matrices=False)
+    best = (u[:, :3] * s[:3]) @ vh[:3]
+    assert torch.allclose(z @ a @ b, best, atol=1e-3, rtol=1e-3)

@@ -82,8 +82,11 @@ def reduced_rank_ridge(z: torch.Tensor, t: torch.Tensor, rank: int, ridge: float
     rank = min(rank, w.shape[0], w.shape[1])
     # Top-r right singular vectors of the fitted scores z @ w, without forming them:
     # (z w)^T (z w) = (C^T w)^T (C^T w) with g = C C^T, so an SVD of the small [d, U] matrix suffices.
-    c = torch.linalg.cholesky(g + 1e-6 * g.diagonal().mean() * torch.eye(d, dtype=g.dtype))
-    v = torch.linalg.svd(c.T @ w, full_matrices=False).Vh[:rank]                 # [r, U]
+    # C from a float64 eigendecomposition, not Cholesky: with few calibration tokens (or collinear
+    # hidden states) g is only positive semi-definite and Cholesky fails.
+    evals, q = torch.linalg.eigh(g.double())
+    ct_w = (evals.clamp_min(0).sqrt()[:, None] * (q.T @ w.double())).to(w.dtype)  # C^T w, C = Q sqrt(L)
+    v = torch.linalg.svd(ct_w, full_matrices=False).Vh[:rank]                    # [r, U]
     return w @ v.T, v.clone()
 
 
