@@ -20,6 +20,8 @@ and the predicted half keeps 83% of the oracle half's activity; heads at 6/9 rea
 per-token ranks, BCE fine-tuning, rank 128, a 512-unit ReLU hidden layer nor a bias term moved MLP
 recall by more than ~0.015: |silu(g·x)·(u·x)| is not well predicted by any linear score, even of
 the layer's own MLP input (see the predictors report in the work dir for per-layer numbers).
+Even the exact SwiGLU activity computed from the lookahead input reaches only 0.50-0.75 recall
+(benchmarks/probe_mlp_lookahead.py): on this model the lookahead input itself is the limit.
 """
 from __future__ import annotations
 
