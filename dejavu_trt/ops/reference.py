@@ -19,10 +19,14 @@ def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order).values.to(torch.int32)
 
 
+def rms_normalize(h: torch.Tensor, eps: float = PREDICTOR_EPS) -> torch.Tensor:
+    """The predictor's parameter-free RMS normalisation of its input."""
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def predictor_scores(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, eps: float = PREDICTOR_EPS) -> torch.Tensor:
     """Per-row low-rank scores: rmsnorm(h) @ a @ b, shape [..., units]."""
-    z = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (z @ a) @ b
+    return (rms_normalize(h, eps) @ a) @ b
 
 
 def lookahead_predictor(h, mlp_a, mlp_b, head_a, head_b, kept_units: int, kept_heads: int,

@@ -9,19 +9,13 @@ def kept_count(fraction: float, units: int) -> int:
     return max(1, min(units, round(fraction * units)))
 
 
-def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean [.., U] mask of each row's k largest scores."""
-    idx = scores.topk(k, dim=-1).indices
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, idx, True)
-
-
 def topk_recall(pred_scores: torch.Tensor, activity: torch.Tensor, k: int) -> torch.Tensor:
     """Per-row recall |top_k(pred) ∩ top_k(activity)| / k, shape [..].
 
     Ties: a unit whose activity equals the k-th largest belongs to *some* oracle top-k set, so it
-    counts as a hit, up to
-    the number of places the oracle fills with tied units. This matters for ReLU models, where at 50% kept the oracle set is often filled
-    up with exact zeros in arbitrary order; without it recall would punish picking a different zero.
+    counts as a hit, up to the number of places the oracle fills with tied units. This matters for
+    ReLU models, where at 50% kept the oracle set is often filled up with exact zeros in arbitrary
+    order; without it recall would punish picking a different zero.
     """
     kth = activity.topk(k, dim=-1).values[..., -1:]
     picked = activity.gather(-1, pred_scores.topk(k, dim=-1).indices)

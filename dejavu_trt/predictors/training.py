@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.contract import PREDICTOR_EPS
+from ..ops.reference import rms_normalize as reference_rms_normalize
 from .metrics import kept_count, mass_recall, topk_recall
 from .model import LookaheadPredictors, input_index
 
@@ -65,8 +66,8 @@ class FitResult:
 
 
 def rms_normalize(h: torch.Tensor) -> torch.Tensor:
-    h = h.float()
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + PREDICTOR_EPS)
+    """The contract's normalisation (ops.reference.rms_normalize), in fp32 for fp16 records."""
+    return reference_rms_normalize(h.float(), PREDICTOR_EPS)
 
 
 def log_targets(y: torch.Tensor) -> torch.Tensor:
