@@ -226,12 +226,29 @@ def profile_kernels():
         kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=8)
         kernels.sparse_mlp(x, idx, activation="relu", **w)
     torch.cuda.synchronize()
+    # attention at 2k context, 8 of 40 heads, kv_policy=active; 3 weight sets in rotation so they come from HBM
+    hd, T, Kh = d // H, 2048, 8
+    asets = [dict(w_q=rnd(d, d, scale=d ** -0.5), w_k=rnd(d, d, scale=d ** -0.5), w_v=rnd(d, d, scale=d ** -0.5),
+                  w_o_t=rnd(d, d, scale=d ** -0.5), kc=rnd(1, H, T, hd), vc=rnd(1, H, T, hd)) for _ in range(3)]
+    hidx = torch.randperm(H, device="cuda")[:Kh].sort().values.to(torch.int32)
+    pos = torch.full((1,), T - 1, device="cuda", dtype=torch.int32)
+    ang = torch.arange(T, device="cuda")[:, None] * (1e4 ** (-torch.arange(hd // 2, device="cuda") / (hd // 2)))
+    rc, rs = ang.cos().to(DT), ang.sin().to(DT)
+
+    def attn(s):
+        kernels.head_sparse_attention(x, hidx, pos, s["w_q"], s["w_k"], s["w_v"], s["w_o_t"], None, None, None, None,
+                                      rc, rs, s["kc"], s["vc"], num_heads=H, num_kv_heads=H, head_dim=hd, rotary=1,
+                                      scale=hd ** -0.5, kv_policy="active")
+    for s in asets:
+        attn(s)
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
+        for i in range(10):
             kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=8)
             kernels.sparse_mlp(x, idx, activation="relu", **w)
+            attn(asets[i % 3])
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
 
 
 def print_row(r):

@@ -9,12 +9,11 @@
 //  3. djv::down_kernel: output projection over the selected heads' rows of w_o_t (+ b_o).
 #include <math.h>
 #include "dejavu_kernels.h"
-#include "djv_device.cuh"
+#include "djv_rows.cuh"
 
 namespace {
 using namespace djv;
 
-constexpr int kProjThreads = 256;
 constexpr int kAttnThreads = 128;
 constexpr int GMAX = 8;  // query heads per work item
 
@@ -52,64 +51,101 @@ __device__ __forceinline__ float rope_at(const float* u, int e, int hd, const T*
 }
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f(from_f<T>(v)); }
 
+// Tiles 0..qt-1: Q rows of the selected heads; then K rows, then V rows, of the KV slots the policy writes.
 template <typename T, int NT>
-__global__ void __launch_bounds__(kProjThreads) qkv_proj_kernel(
+__global__ void __launch_bounds__(kSkThreads, 2) qkv_proj_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
-    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, int ksplit) {
-    constexpr int NW = kProjThreads / 32;
-    __shared__ float red[NW * 256];
-    __shared__ int s_head;
-    const int lane = threadIdx.x & 31, g = lane >> 2, wid = threadIdx.x >> 5;
-    const int tile = blockIdx.x, ks = blockIdx.y;
+    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int qt = Kh * hd / 16, kt = nslots * hd / 16;
-    const int which = tile < qt ? 0 : (tile < qt + kt ? 1 : 2);
-    const int m = (tile - (which == 0 ? 0 : (which == 1 ? qt : qt + kt))) * 16;  // row within its block
-    const int hs = m / hd, within = m % hd;
-    if (wid == 0) {
-        int head;
+    auto which_of = [&](int tile) { return tile < qt ? 0 : (tile < qt + kt ? 1 : 2); };
+    auto row_in_block = [&](int tile, int which) { return (tile - (which == 0 ? 0 : (which == 1 ? qt : qt + kt))) * 16; };
+    auto head_of = [&](int tile, int which) {  // -1: a KV slot unused this step
+        const int hs = row_in_block(tile, which) / hd;
+        if (which == 0) return (int)__ldg(head_idx + hs);
+        if (kv_policy == DJV_KV_DENSE) return hs;
+        const int group = H / Hkv;
+        const RunInfo ri = warp_runs(head_idx, Kh, [group](int h) { return h / group; }, hs, -1);
+        return ri.start >= 0 ? (int)__ldg(head_idx + ri.start) / group : -1;
+    };
+    auto rows = [&](int tile, const T* (&r0)[1], const T* (&r1)[1]) {
+        const int which = which_of(tile);
+        const int head = head_of(tile, which);
+        if (head < 0) return false;
+        const T* W = which == 0 ? wq : (which == 1 ? wk : wv);
+        const size_t rbase = (size_t)head * hd + row_in_block(tile, which) % hd;
+        r0[0] = W + (rbase + g) * d;
+        r1[0] = W + (rbase + g + 8) * d;
+        return true;
+    };
+    auto epi = [&](int tile, const float (&acc)[1][NT][4]) {
+        const int which = which_of(tile), m = row_in_block(tile, which);
+        const int head = head_of(tile, which);
+        const T* bias = which == 0 ? bq : (which == 1 ? bk : bv);
+        const size_t rbase = (size_t)head * hd + m % hd;
+        const int col0 = (which == 0 ? 0 : (which == 1 ? Kh * hd : (Kh + nslots) * hd)) + m;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int row = g + (j >> 1) * 8;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                const int b = t * 8 + 2 * c + (j & 1);
+                if (b < B) qkv[(size_t)b * R + col0 + row] = acc[0][t][j] + (bias ? to_f(bias[rbase + row]) : 0.f);
+            }
+        }
+    };
+    (void)lane;
+    streamk_tiles<T, NT, 1>(x, B, d, part, ctr, sk, rows, epi);
+}
+
+// Batch <= 4: the same rows, one warp per projection row at a time (512 contiguous bytes per load).
+template <typename T, int NB>
+__global__ void __launch_bounds__(kSkThreads, 2) qkv_rows_kernel(
+    const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
+    int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
+    const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
+    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
+    const int lane = threadIdx.x & 31;
+    const int qr = Kh * hd, kr = nslots * hd;
+    auto which_of = [&](int item) { return item < qr ? 0 : (item < qr + kr ? 1 : 2); };
+    auto row_of = [&](int item, int which, int& head) {  // head -1: a KV slot unused this step
+        const int m = item - (which == 0 ? 0 : (which == 1 ? qr : qr + kr));
+        const int hs = m / hd;
         if (which == 0) head = __ldg(head_idx + hs);
         else if (kv_policy == DJV_KV_DENSE) head = hs;
         else {
             const int group = H / Hkv;
             const RunInfo ri = warp_runs(head_idx, Kh, [group](int h) { return h / group; }, hs, -1);
-            head = ri.start >= 0 ? __ldg(head_idx + ri.start) / group : -1;
+            head = ri.start >= 0 ? (int)__ldg(head_idx + ri.start) / group : -1;
         }
-        if (lane == 0) s_head = head;
-    }
-    __syncthreads();
-    const int head = s_head;
-    if (head < 0) return;  // unused KV slot this step (uniform over the tile's splits)
-    const T* W = which == 0 ? wq : (which == 1 ? wk : wv);
-    const T* bias = which == 0 ? bq : (which == 1 ? bk : bv);
-    const size_t rbase = (size_t)head * hd + within;
-    const T* r0[1] = {W + (rbase + g) * d};
-    const T* r1[1] = {W + (rbase + g + 8) * d};
-    const int chunk = ksplit_chunk(d, ksplit);
-    const int kb = ks * chunk, ke = min(d, kb + chunk);
-    float acc[1][NT][4] = {};
-    tile_dot<T, NT, 1, 4>(r0, r1, x, B, d, kb, ke, wid, NW, acc);
-    cta_reduce_tile<NT, 1>(acc, red, NW);
-    if (ksplit > 1) {
-        float* my = part + ((size_t)tile * ksplit + ks) * 256;
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) my[i] = red[i];
-        if (!last_arrival(ctr + tile, (unsigned)ksplit)) return;
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-            float s = 0.f;
-            for (int k = 0; k < ksplit; ++k) s += __ldcg(part + ((size_t)tile * ksplit + k) * 256 + i);
-            red[i] = s;
-        }
-        __syncthreads();
-    }
-    const int col0 = (which == 0 ? 0 : (which == 1 ? Kh * hd : (Kh + nslots) * hd)) + m;
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        const int row = i >> 4, b = i & 15;
-        if (b < B) qkv[(size_t)b * R + col0 + row] = red[i] + (bias ? to_f(bias[rbase + row]) : 0.f);
-    }
+        return (size_t)head * hd + m % hd;
+    };
+    auto rows = [&](int item, const T* (&r)[1]) {
+        const int which = which_of(item);
+        int head;
+        const size_t row = row_of(item, which, head);
+        if (head < 0) return false;
+        r[0] = (which == 0 ? wq : (which == 1 ? wk : wv)) + row * d;
+        return true;
+    };
+    auto epi = [&](int item, const float (&v)[1][NB]) {
+        const int which = which_of(item);
+        int head;
+        const size_t row = row_of(item, which, head);
+        const T* bias = which == 0 ? bq : (which == 1 ? bk : bv);
+        if (lane != 0) return;
+        const float bb = bias ? to_f(bias[row]) : 0.f;
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+            if (b < B) qkv[(size_t)b * R + item] = v[0][b] + bb;
+    };
+    streamk_rows<T, NB, 1>(x, B, d, part, ctr, sk, rows, epi);
 }
 
-template <typename T, int HD>
+// GM: query heads held in registers per work item (1 when every KV head serves one query head, else GMAX).
+template <typename T, int HD, int GM>
 __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const float* __restrict__ qkv, int R, const int32_t* __restrict__ head_idx, const int32_t* __restrict__ position,
     const T* __restrict__ rcos, const T* __restrict__ rsin, T* __restrict__ kc, T* __restrict__ vc,
@@ -191,12 +227,20 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         const int r = tid / TPR, l = tid % TPR;
         const T* kbase = kc + ((size_t)b * Hkv + kv) * Tlen * HD + l * 8;
         const T* vbase = vc + ((size_t)b * Hkv + kv) * Tlen * HD + l * 8;
-        float qreg[GMAX][8];
+        float qreg[GM][8];
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g)
+        for (int g = 0; g < GM; ++g)
 #pragma unroll
             for (int e = 0; e < 8; ++e) qreg[g][e] = g < G ? q_s[g * HD + l * 8 + e] : 0.f;
-        constexpr int UNR = 4;
+        // UNR*RP tokens per pass (64: the usual L is one pass). The first pass's V rows are loaded with its
+        // K rows, so their HBM latency overlaps the scores and the softmax instead of following them.
+        constexpr int UNR = 8;
+        uint4 vpre[UNR];
+#pragma unroll
+        for (int j = 0; j < UNR; ++j) {
+            const int t = t0 + j * RP + r;
+            vpre[j] = (t < t1 && t != pos) ? ld_stream(vbase + (size_t)t * HD) : zero4();
+        }
         for (int tb = t0; tb < t1; tb += UNR * RP) {
             uint4 kv4[UNR];
 #pragma unroll
@@ -213,7 +257,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
                     for (int e = 0; e < 8; ++e) kf[e] = kn_s[l * 8 + e];
                 } else unpack8<T>(kv4[j], kf);
 #pragma unroll
-                for (int g = 0; g < GMAX; ++g) {
+                for (int g = 0; g < GM; ++g) {
                     if (g >= G) break;
                     float s = 0.f;
 #pragma unroll
@@ -241,9 +285,9 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             if (lane == 0) { s_m[g] = mx; s_l[g] = sum; }
         }
         __syncthreads();
-        float oacc[GMAX][8];
+        float oacc[GM][8];
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g)
+        for (int g = 0; g < GM; ++g)
 #pragma unroll
             for (int e = 0; e < 8; ++e) oacc[g][e] = 0.f;
         for (int tb = t0; tb < t1; tb += UNR * RP) {
@@ -251,7 +295,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
 #pragma unroll
             for (int j = 0; j < UNR; ++j) {
                 const int t = tb + j * RP + r;
-                vv4[j] = (t < t1 && t != pos) ? ld_stream(vbase + (size_t)t * HD) : zero4();
+                vv4[j] = tb == t0 ? vpre[j] : ((t < t1 && t != pos) ? ld_stream(vbase + (size_t)t * HD) : zero4());
             }
 #pragma unroll
             for (int j = 0; j < UNR; ++j) {
@@ -263,7 +307,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
                     for (int e = 0; e < 8; ++e) vf[e] = vn_s[l * 8 + e];
                 } else unpack8<T>(vv4[j], vf);
 #pragma unroll
-                for (int g = 0; g < GMAX; ++g) {
+                for (int g = 0; g < GM; ++g) {
                     if (g >= G) break;
                     const float p = sc[g * L + (t - t0)];
 #pragma unroll
@@ -272,7 +316,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             }
         }
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g) {
+        for (int g = 0; g < GM; ++g) {
             if (g >= G) break;
 #pragma unroll
             for (int e = 0; e < 8; ++e) ored[((size_t)r * GMAX + g) * HD + l * 8 + e] = oacc[g][e];
@@ -314,7 +358,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
 }
 
 struct AttnPlan {
-    int nslots, R, tiles, ksplit, L, nsplit, Mo, S;
+    int nslots, R, tiles, proj_items, L, nsplit, Mo;
+    StreamK proj;
     size_t smem, off_qkv, off_pproj, off_pattn, off_o, off_pdown, total;
     int ctr_attn, ctr_down, ctr_total;
 };
@@ -324,40 +369,52 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     p.nslots = policy == DJV_KV_DENSE ? Hkv : (Hkv < Kh ? Hkv : Kh);
     p.R = (Kh + 2 * p.nslots) * hd;
     p.tiles = p.R / 16;
-    p.ksplit = tile_ksplit(p.tiles, d);
+    p.proj = use_rows(B) ? plan_rows(p.R, d) : plan_tiles(p.tiles, d);
+    p.proj_items = use_rows(B) ? p.R : p.tiles;
     const int want = cdiv(kTargetCtas, Kh * B);
     int L = (int)align_up((size_t)cdiv(T, want), 32);
     L = L < 64 ? 64 : (L > 1024 ? 1024 : L);
     p.L = L;
     p.nsplit = cdiv(T, L);
     p.Mo = Kh * hd;
-    p.S = down_splits(d, p.Mo);
     const int RP = kAttnThreads / (hd / 8);
     p.smem = (size_t)(GMAX * hd + 2 * hd + GMAX * L + RP * GMAX * hd) * sizeof(float);
-    p.ctr_attn = p.tiles;
+    p.ctr_attn = p.proj_items;
     p.ctr_down = p.ctr_attn + B * Kh;
-    p.ctr_total = p.ctr_down + cdiv(d, 128);
+    p.ctr_total = p.ctr_down + down_counters(d);
     size_t o = kCounterBytes;
     p.off_qkv = o; o = align_up(o + (size_t)B * p.R * 4, 256);
-    p.off_pproj = o; o = align_up(o + (p.ksplit > 1 ? (size_t)p.tiles * p.ksplit * 256 * 4 : 0), 256);
+    p.off_pproj = o; o = align_up(o + (use_rows(B) ? rows_part_floats(p.proj, p.R, rows_nb(B), 1)
+                                                  : tiles_part_floats(p.proj, p.tiles, B > 8 ? 2 : 1, 1)) * 4, 256);
     p.off_pattn = o; o = align_up(o + (size_t)B * Kh * p.nsplit * GMAX * (hd + 2) * 4, 256);
     p.off_o = o; o = align_up(o + (size_t)16 * p.Mo * esize, 256);
-    p.off_pdown = o; o = align_up(o + (p.S > 1 ? (size_t)p.S * B * d * 4 : 0), 256);
+    p.off_pdown = o; o = align_up(o + down_part_floats(B, d, p.Mo, p.Mo) * 4, 256);
     p.total = o;
     return p;
+}
+
+template <typename T, int HD, int GM>
+cudaError_t launch_attn_g(const AttnPlan& p, const float* qkv, const int32_t* hidx, const int32_t* pos, const T* rc,
+                        const T* rs, T* kc, T* vc, float* part, unsigned* ctr, T* o_act, int B, int H, int Hkv, int Kh,
+                        int Tlen, int rotary, float qscale, int policy, cudaStream_t st) {
+    cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, HD, GM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
+    if (e != cudaSuccess) return e;
+    dim3 grid(Kh + p.nslots, B, p.nsplit);
+    attn_kernel<T, HD, GM><<<grid, kAttnThreads, p.smem, st>>>(qkv, p.R, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, H,
+                                                           Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L,
+                                                           p.nsplit);
+    return cudaGetLastError();
 }
 
 template <typename T, int HD>
 cudaError_t launch_attn(const AttnPlan& p, const float* qkv, const int32_t* hidx, const int32_t* pos, const T* rc,
                         const T* rs, T* kc, T* vc, float* part, unsigned* ctr, T* o_act, int B, int H, int Hkv, int Kh,
                         int Tlen, int rotary, float qscale, int policy, cudaStream_t st) {
-    cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
-    if (e != cudaSuccess) return e;
-    dim3 grid(Kh + p.nslots, B, p.nsplit);
-    attn_kernel<T, HD><<<grid, kAttnThreads, p.smem, st>>>(qkv, p.R, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, H,
-                                                           Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L,
-                                                           p.nsplit);
-    return cudaGetLastError();
+    if (H == Hkv)
+        return launch_attn_g<T, HD, 1>(p, qkv, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, B, H, Hkv, Kh, Tlen, rotary,
+                                       qscale, policy, st);
+    return launch_attn_g<T, HD, GMAX>(p, qkv, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, B, H, Hkv, Kh, Tlen, rotary,
+                                      qscale, policy, st);
 }
 
 template <typename T>
@@ -373,14 +430,23 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     float* pattn = reinterpret_cast<float*>(base + p.off_pattn);
     T* o_act = reinterpret_cast<T*>(base + p.off_o);
     float* pdown = reinterpret_cast<float*>(base + p.off_pdown);
-    dim3 pgrid(p.tiles, p.ksplit);
 #define DJV_PROJ(NT)                                                                                                   \
-    qkv_proj_kernel<T, NT><<<pgrid, kProjThreads, 0, st>>>(                                                            \
+    qkv_proj_kernel<T, NT><<<streamk_ctas(p.proj), kSkThreads, 0, st>>>(                                                            \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
-        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.ksplit)
-    if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
+        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
+#define DJV_ROWS(NB)                                                                                                   \
+    qkv_rows_kernel<T, NB><<<streamk_ctas(p.proj), kSkThreads, 0, st>>>(                                              \
+        static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
+        static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
+        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
+    if (!use_rows(B)) {
+        if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
+    } else if (rows_nb(B) == 1) DJV_ROWS(1);
+    else if (rows_nb(B) == 2) DJV_ROWS(2);
+    else DJV_ROWS(4);
 #undef DJV_PROJ
+#undef DJV_ROWS
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2

@@ -1,0 +1,247 @@
+// djv_rows.cuh - coalesced GEMVs for batch <= 4 on the CUDA cores, and the batch dispatch of the shared
+// down projection.
+//
+// Why two families: the tensor-core GEMVs (djv_device.cuh) let 4 threads share a row, so one warp load
+// instruction covers only 64 bytes of each of 16 rows. Measured on the H200 (benchmarks/probes/
+// read_patterns.cu), that access pattern reads HBM at 1.0-2.2 TB/s, while a warp reading 512 contiguous
+// bytes of one row per instruction reaches 2.6 TB/s on a 52 MB gather and 3.7 TB/s on 210 MB. At batch <= 4
+// the FMAs fit easily on the CUDA cores, so these kernels use the 512-byte pattern; batch 5-16 keeps mma.
+#pragma once
+#include "djv_device.cuh"
+
+namespace djv {
+
+constexpr int kRowChunk = 256;  // elements per 512-byte warp load (8 per lane)
+
+// Batch rows handled by the CUDA-core kernels: 1, 2 or 4 accumulators per output.
+inline int rows_nb(int B) { return B <= 1 ? 1 : (B <= 2 ? 2 : 4); }
+inline bool use_rows(int B) { return B <= 4; }
+
+// ---------------------------------------------------------------------------------------------
+// Row dot products, warp stream-K: items = matrix rows (up to NMAT matrices sharing the row index),
+// steps = 256-element chunks of d. epi(item, v) runs on all lanes with v[mat][b] = W_mat[row] . x[b]
+// summed over all of d; rows(item, r) points r at each matrix's row, or returns false to skip the item
+// (a choice that must depend on the item only).
+template <typename T, int NB, int NMAT, typename RowsF, typename EpiF>
+__device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int d, float* __restrict__ part,
+                                             unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi) {
+    constexpr int U = 8 / NMAT;  // 8 independent 16-byte weight loads in flight per lane
+    constexpr int SLOT = NMAT * NB;
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    long long s = (long long)gw * sk.q;
+    const long long s_end = s + sk.q < sk.total ? s + sk.q : sk.total;
+    while (s < s_end) {
+        const int item = (int)(s / sk.per_item);
+        const int k0 = (int)(s - (long long)item * sk.per_item);
+        const int k1 = (int)(k0 + (s_end - s) < sk.per_item ? k0 + (s_end - s) : sk.per_item);
+        s += k1 - k0;
+        const T* r[NMAT];
+        if (!rows(item, r)) continue;
+        float acc[NMAT][NB] = {};
+        for (int ks = k0; ks < k1; ks += U) {
+            uint4 wv[NMAT][U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int off = (ks + u) * kRowChunk + lane * 8;
+                const bool ok = ks + u < k1 && off < d;
+#pragma unroll
+                for (int m = 0; m < NMAT; ++m) wv[m][u] = ok ? ld_stream(r[m] + off) : zero4();
+            }
+            uint4 x0[NB == 1 ? U : 1];  // batch 1: x is loaded with the weights (see rows_down_kernel)
+            if (NB == 1) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int off = (ks + u) * kRowChunk + lane * 8;
+                    x0[NB == 1 ? u : 0] = (ks + u < k1 && off < d) ? ld_keep(x + off) : zero4();
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int off = (ks + u) * kRowChunk + lane * 8;
+                const bool ok = ks + u < k1 && off < d;
+                float wf[NMAT][8];
+#pragma unroll
+                for (int m = 0; m < NMAT; ++m) unpack8<T>(wv[m][u], wf[m]);
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    float xf[8];
+                    if (NB == 1) unpack8<T>(x0[NB == 1 ? u : 0], xf);
+                    else unpack8<T>((ok && b < B) ? ld_keep(x + (size_t)b * d + off) : zero4(), xf);
+#pragma unroll
+                    for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[m][b] = fmaf(wf[m][e], xf[e], acc[m][b]);
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) acc[m][b] += __shfl_xor_sync(0xffffffffu, acc[m][b], o);
+        if (!(k0 == 0 && k1 == sk.per_item)) {  // split row: publish; the completing warp sums in order
+            float* slots = part + (size_t)item * sk.max_slots * SLOT;
+            if (lane == 0) {
+                float* mine = slots + (size_t)(gw - sk_first_warp(sk, item)) * SLOT;
+#pragma unroll
+                for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+                    for (int b = 0; b < NB; ++b) mine[m * NB + b] = acc[m][b];
+            }
+            if (!warp_publish(ctr + item, (unsigned)(k1 - k0), (unsigned)sk.per_item)) continue;
+            const int nslots = sk_last_warp(sk, item) - sk_first_warp(sk, item) + 1;
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    float v = 0.f;
+                    for (int k = 0; k < nslots; ++k) v += __ldcg(slots + (size_t)k * SLOT + m * NB + b);
+                    acc[m][b] = v;
+                }
+        }
+        epi(item, acc);
+    }
+}
+inline StreamK plan_rows(int nrows, int d) { return plan_streamk(nrows, cdiv(d, kRowChunk), 4); }
+inline size_t rows_part_floats(const StreamK& k, int nrows, int nb, int nmat) {
+    return (size_t)nrows * k.max_slots * nmat * nb;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Down projection over active rows, batch <= 4: y[b, :] = sum_m act[b, m] * W[row(m), :] (+ bias).
+// Work units = (chunk of R active rows, 256-column slice); unit u = chunk * S + slice, one per warp, so the
+// warps of a CTA read adjacent 512-byte slices of the same rows at the same time. (Measured: 8 warps of a
+// CTA reading one 512-byte slice of different rows got ~1.7 TB/s; adjacent slices of the same rows ~2.7.)
+// Each warp writes its chunk's partial y (fp32) and rows_reduce_kernel sums the chunks in a fixed order.
+constexpr int kRowsDownU = 8;
+
+struct RowsDownPlan { int S, R, C; };
+inline RowsDownPlan plan_rows_down(int d, int M) {
+    RowsDownPlan p;
+    p.S = cdiv(d, kRowChunk);
+    const long long want = (long long)sm_count() * kSkWarpsPerSm;  // one resident wave of warps
+    long long r = ((long long)M * p.S + want - 1) / want;
+    p.R = (int)(r < 8 ? 8 : r);
+    p.C = cdiv(M, p.R);
+    return p;
+}
+
+template <typename T, int NB>
+__global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __restrict__ act, int Mpad,
+                                                                  const int32_t* __restrict__ idx, int bs, int M,
+                                                                  const T* __restrict__ w, const T* __restrict__ bias,
+                                                                  T* __restrict__ y, float* __restrict__ part, int B,
+                                                                  int d, RowsDownPlan p) {
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * (kSkThreads / 32) + (threadIdx.x >> 5);
+    if (gw >= p.C * p.S) return;
+    const int chunk = gw / p.S, slice = gw % p.S;
+    const int j0 = chunk * p.R, j1 = min(M, j0 + p.R);
+    const int col = slice * kRowChunk + lane * 8;
+    const bool colok = col < d;  // d % 8 == 0
+    float acc[NB][8] = {};
+    for (int j = j0; j < j1; j += kRowsDownU) {
+        // All loads of the batch first (weights and activations): an activation load issued after its
+        // weight arrived would put one L2 round trip per row on the critical path.
+        uint4 wv[kRowsDownU];
+        float a[kRowsDownU][NB];
+#pragma unroll
+        for (int u = 0; u < kRowsDownU; ++u) {
+            const bool ok = j + u < j1;
+            const int row = expand_row(idx, ok ? j + u : j0, bs);
+            wv[u] = (ok && colok) ? ld_stream(w + (size_t)row * d + col) : zero4();
+#pragma unroll
+            for (int b = 0; b < NB; ++b) a[u][b] = (ok && b < B) ? to_f(act[(size_t)b * Mpad + j + u]) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < kRowsDownU; ++u) {
+            float wf[8];
+            unpack8<T>(wv[u], wf);
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[b][e] = fmaf(a[u][b], wf[e], acc[b][e]);
+        }
+    }
+    if (!colok) return;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        if (b >= B) break;
+        if (p.C == 1) {  // one chunk: no reduction pass
+            uint4 o;
+            o.x = pack2<T>(acc[b][0] + (bias ? to_f(bias[col + 0]) : 0.f), acc[b][1] + (bias ? to_f(bias[col + 1]) : 0.f));
+            o.y = pack2<T>(acc[b][2] + (bias ? to_f(bias[col + 2]) : 0.f), acc[b][3] + (bias ? to_f(bias[col + 3]) : 0.f));
+            o.z = pack2<T>(acc[b][4] + (bias ? to_f(bias[col + 4]) : 0.f), acc[b][5] + (bias ? to_f(bias[col + 5]) : 0.f));
+            o.w = pack2<T>(acc[b][6] + (bias ? to_f(bias[col + 6]) : 0.f), acc[b][7] + (bias ? to_f(bias[col + 7]) : 0.f));
+            *reinterpret_cast<uint4*>(y + (size_t)b * d + col) = o;
+        } else {
+            float4* dst = reinterpret_cast<float4*>(part + ((size_t)chunk * B + b) * d + col);
+            dst[0] = make_float4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
+            dst[1] = make_float4(acc[b][4], acc[b][5], acc[b][6], acc[b][7]);
+        }
+    }
+}
+
+// y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias). CTA: 32 float4 columns x 8 chunk lanes.
+template <typename T>
+__global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
+                                                          T* __restrict__ y, int B, int d, int C) {
+    __shared__ float4 red[8][32];
+    const int cl = threadIdx.x & 31, kl = threadIdx.x >> 5;
+    const int b = blockIdx.y, c4 = blockIdx.x * 32 + cl;  // float4 column
+    const bool ok = c4 * 4 < d;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (ok) {
+#pragma unroll 4
+        for (int k = kl; k < C; k += 8) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(part + ((size_t)k * B + b) * d) + c4);
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+    }
+    red[kl][cl] = s;
+    __syncthreads();
+    if (kl != 0 || !ok) return;
+    float4 t = red[0][cl];
+#pragma unroll
+    for (int k = 1; k < 8; ++k) { t.x += red[k][cl].x; t.y += red[k][cl].y; t.z += red[k][cl].z; t.w += red[k][cl].w; }
+    const int col = c4 * 4;
+    if (bias) { t.x += to_f(bias[col]); t.y += to_f(bias[col + 1]); t.z += to_f(bias[col + 2]); t.w += to_f(bias[col + 3]); }
+    uint2 o;
+    o.x = pack2<T>(t.x, t.y);
+    o.y = pack2<T>(t.z, t.w);
+    *reinterpret_cast<uint2*>(y + (size_t)b * d + col) = o;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shared down projection: workspace, counters and launch, by batch size.
+inline int down_counters(int d) { return cdiv(d, kDownCols); }
+inline size_t down_part_floats(int B, int d, int M, int Mpad) {
+    if (use_rows(B)) return (size_t)plan_rows_down(d, M).C * B * d;
+    const StreamK k = plan_down_mma(d, Mpad);
+    return (size_t)cdiv(d, kDownCols) * k.max_slots * B * kDownCols;
+}
+
+// act: [16][Mpad]. Batch > 4: rows >= B and padded entries (m >= M) must be zero; batch <= 4 reads rows < B
+// and entries m < M only.
+template <typename T>
+inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int bs, int M, const T* w, const T* bias,
+                               T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
+    if (use_rows(B)) {
+        const RowsDownPlan p = plan_rows_down(d, M);
+        const int ctas = cdiv(p.C * p.S, kSkThreads / 32);
+        switch (rows_nb(B)) {
+        case 1: rows_down_kernel<T, 1><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
+        case 2: rows_down_kernel<T, 2><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
+        default: rows_down_kernel<T, 4><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
+        }
+        if (p.C > 1) rows_reduce_kernel<T><<<dim3(cdiv(d, 128), B), 256, 0, st>>>(part, bias, y, B, d, p.C);
+        return cudaGetLastError();
+    }
+    const StreamK sk = plan_down_mma(d, Mpad);
+    down_kernel<T><<<streamk_ctas(sk), kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, ctr, B, d, sk);
+    return cudaGetLastError();
+}
+
+}  // namespace djv
