@@ -1,6 +1,6 @@
 // djv_device.cuh - device building blocks shared by the dejavu kernels.
 //
-// The sparse GEMVs run on the tensor cores (mma.sync m16n8k16, fp32 accumulate) even at batch 1: the
+// The batch 5-16 sparse GEMVs run on the tensor cores (mma.sync m16n8k16, fp32 accumulate): the
 // point is not FLOPs but that one 16-byte load per thread feeds a whole fragment, so each active weight
 // byte is loaded exactly once, straight from HBM into registers, with no shared-memory staging.
 // The trick: a dot product is invariant under any permutation of its k axis (and an output axis may be
@@ -77,6 +77,95 @@ __device__ __forceinline__ int expand_row(const int32_t* __restrict__ idx, int m
     return bs == 1 ? __ldg(idx + m) : __ldg(idx + m / bs) * bs + m % bs;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Row-tile GEMV: acc[mat][nt] += W_mat[16 rows] . x[batch]^T over this warp's share of [kb, ke).
+// Thread (g = lane/4, c = lane%4) owns rows g and g+8 and batches g, g+8 (n-tile 1). One 16-byte load
+// of 8 consecutive k from row g (and g+8) feeds two mma k-steps; x is read with the same permutation.
+template <typename T, int NT, int NMAT, int U>
+__device__ __forceinline__ void tile_dot(const T* const (&r0)[NMAT], const T* const (&r1)[NMAT],
+                                         const T* __restrict__ x, int B, int d, int kb, int ke, int wid, int nw,
+                                         float (&acc)[NMAT][NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const T* xr0 = x + (size_t)g * d;
+    const T* xr1 = x + (size_t)(g + 8) * d;
+    const bool xv0 = g < B, xv1 = (g + 8) < B;
+    for (int k0 = kb + wid * 32 * U; k0 < ke; k0 += nw * 32 * U) {
+        uint4 wa[NMAT][U], wb[NMAT][U], xa[NT][U];
+        if (k0 + 32 * U <= ke) {  // full chunk: no predicates, so all U*2*NMAT loads are issued back to back
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int off = k0 + u * 32 + c * 8;
+#pragma unroll
+                for (int m = 0; m < NMAT; ++m) {
+                    wa[m][u] = ld_stream(r0[m] + off);
+                    wb[m][u] = ld_stream(r1[m] + off);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int off = k0 + u * 32 + c * 8;
+                xa[0][u] = xv0 ? ld_keep(xr0 + off) : zero4();
+                if (NT == 2) xa[NT - 1][u] = xv1 ? ld_keep(xr1 + off) : zero4();
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int off = k0 + u * 32 + c * 8;
+                const bool ok = off < ke;
+#pragma unroll
+                for (int m = 0; m < NMAT; ++m) {
+                    wa[m][u] = ok ? ld_stream(r0[m] + off) : zero4();
+                    wb[m][u] = ok ? ld_stream(r1[m] + off) : zero4();
+                }
+                xa[0][u] = (ok && xv0) ? ld_keep(xr0 + off) : zero4();
+                if (NT == 2) xa[NT - 1][u] = (ok && xv1) ? ld_keep(xr1 + off) : zero4();
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    Mma<T>::run(acc[m][t], wa[m][u].x, wb[m][u].x, wa[m][u].y, wb[m][u].y, xa[t][u].x, xa[t][u].y);
+                    Mma<T>::run(acc[m][t], wa[m][u].z, wb[m][u].z, wa[m][u].w, wb[m][u].w, xa[t][u].z, xa[t][u].w);
+                }
+    }
+}
+
+// Sum a [NMAT][16 rows][16 batch] tile across the warps of the CTA (fixed order -> deterministic).
+// On return red[0..NMAT*256) holds the CTA sum; needs NW*NMAT*256 floats of shared memory.
+template <int NT, int NMAT>
+__device__ __forceinline__ void cta_reduce_tile(const float (&acc)[NMAT][NT][4], float* red, int nw) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            float* base = red + ((size_t)wid * NMAT + m) * 256;
+            const int col = t * 8 + 2 * c;
+            base[g * 16 + col] = acc[m][t][0];
+            base[g * 16 + col + 1] = acc[m][t][1];
+            base[(g + 8) * 16 + col] = acc[m][t][2];
+            base[(g + 8) * 16 + col + 1] = acc[m][t][3];
+        }
+    if (NT == 1) {  // batches 8..15 were never computed; keep the tile well defined
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m) {
+            float* base = red + ((size_t)wid * NMAT + m) * 256;
+            base[g * 16 + 8 + 2 * c] = 0.f; base[g * 16 + 9 + 2 * c] = 0.f;
+            base[(g + 8) * 16 + 8 + 2 * c] = 0.f; base[(g + 8) * 16 + 9 + 2 * c] = 0.f;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < NMAT * 256; i += blockDim.x) {
+        float s = 0.f;
+        for (int w = 0; w < nw; ++w) s += red[(size_t)w * NMAT * 256 + i];
+        red[i] = s;  // only this thread touches column i of every warp slot
+    }
+    __syncthreads();
+}
+
 }  // namespace djv
 
 namespace djv {
@@ -102,11 +191,102 @@ __device__ __forceinline__ uint32_t word_of(const uint4& u, int w) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Warp-level stream-K. A GEMV's work is `items` output tiles x `per_item` steps of reduction; flattened
-// item-major, it is dealt out to warps in contiguous runs of q steps, sized so that every warp of one
-// resident wave gets the same bytes to move (no half-empty last wave, whatever the kept fraction). A warp
-// usually finishes its item alone; when a run splits an item, each warp publishes its partial into the
-// item's slot for it and the warp that completes the count sums the slots in a fixed order (deterministic).
+// Down projection over active rows: y[b, :] = sum_m act[b, m] * W[row(m), :] (+ bias).
+// act is [16][Mpad] in T (row b = batch), Mpad % 16 == 0, padded entries (m >= M) are zero.
+// Grid (ceil(d/128), S): CTA = 128 output columns x 1/S of the active rows; its warps take 16-row
+// groups round-robin. mma as D[b, col] = act^T[b, rows] . W[rows, col]: thread (g, c) loads 16 bytes
+// (cols g*8..g*8+7) of rows 2c, 2c+1, 2c+8, 2c+9, and column t of that run is n-tile t's column g.
+template <typename T>
+__global__ void __launch_bounds__(256) down_kernel(const T* __restrict__ act, int Mpad, const int32_t* __restrict__ idx,
+                                                  int bs, int M, const T* __restrict__ w, const T* __restrict__ bias,
+                                                  T* __restrict__ y, float* __restrict__ part,
+                                                  unsigned* __restrict__ ctr, int B, int d, int S) {
+    extern __shared__ float red[];  // [nw][B][128]
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, wid = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    const int col0 = blockIdx.x * 128;
+    const int groups = Mpad / 16;
+    const int gb = (int)((long long)blockIdx.y * groups / S), ge = (int)((long long)(blockIdx.y + 1) * groups / S);
+    float acc[2][8][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int t = 0; t < 8; ++t) acc[h][t][0] = acc[h][t][1] = acc[h][t][2] = acc[h][t][3] = 0.f;
+
+    const T* arow0 = act + (size_t)g * Mpad;
+    const T* arow1 = act + (size_t)(g + 8) * Mpad;
+#pragma unroll 2
+    for (int jg = gb + wid; jg < ge; jg += nw) {
+        const int jb = jg * 16;
+        const int ms[4] = {jb + 2 * c, jb + 2 * c + 1, jb + 2 * c + 8, jb + 2 * c + 9};
+        uint4 wv[2][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = expand_row(idx, ms[i] < M ? ms[i] : M - 1, bs);  // padded rows: act is 0
+            const T* wr = w + (size_t)row * d;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int col = col0 + h * 64 + g * 8;
+                wv[h][i] = col < d ? ld_stream(wr + col) : zero4();
+            }
+        }
+        const uint32_t a0 = *reinterpret_cast<const uint32_t*>(arow0 + jb + 2 * c);
+        const uint32_t a1 = *reinterpret_cast<const uint32_t*>(arow1 + jb + 2 * c);
+        const uint32_t a2 = *reinterpret_cast<const uint32_t*>(arow0 + jb + 2 * c + 8);
+        const uint32_t a3 = *reinterpret_cast<const uint32_t*>(arow1 + jb + 2 * c + 8);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+                const uint32_t sel = (t & 1) ? 0x7632u : 0x5410u;
+                const uint32_t b0 = __byte_perm(word_of(wv[h][0], t >> 1), word_of(wv[h][1], t >> 1), sel);
+                const uint32_t b1 = __byte_perm(word_of(wv[h][2], t >> 1), word_of(wv[h][3], t >> 1), sel);
+                Mma<T>::run(acc[h][t], a0, a1, a2, a3, b0, b1);
+            }
+    }
+    // acc[h][t][0/1]: batch g, column h*64 + (2c or 2c+1)*8 + t; [2/3]: batch g+8.
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            const int cc = h * 64 + 16 * c + t;
+            if (g < B) {
+                red[((size_t)wid * B + g) * 128 + cc] = acc[h][t][0];
+                red[((size_t)wid * B + g) * 128 + cc + 8] = acc[h][t][1];
+            }
+            if (g + 8 < B) {
+                red[((size_t)wid * B + g + 8) * 128 + cc] = acc[h][t][2];
+                red[((size_t)wid * B + g + 8) * 128 + cc + 8] = acc[h][t][3];
+            }
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < B * 128; i += blockDim.x) {
+        const int b = i >> 7, cc = i & 127, col = col0 + cc;
+        float s = 0.f;
+        for (int k = 0; k < nw; ++k) s += red[((size_t)k * B + b) * 128 + cc];
+        if (col < d) {
+            if (S == 1) y[(size_t)b * d + col] = from_f<T>(s + (bias ? to_f(bias[col]) : 0.f));
+            else part[((size_t)blockIdx.y * B + b) * d + col] = s;
+        }
+    }
+    if (S == 1) return;
+    if (!last_arrival(ctr + blockIdx.x, (unsigned)S)) return;
+    for (int i = threadIdx.x; i < B * 128; i += blockDim.x) {
+        const int b = i >> 7, col = col0 + (i & 127);
+        if (col >= d) continue;
+        float s = 0.f;
+        for (int k = 0; k < S; ++k) s += __ldcg(part + ((size_t)k * B + b) * d + col);
+        y[(size_t)b * d + col] = from_f<T>(s + (bias ? to_f(bias[col]) : 0.f));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp-level stream-K (used by the batch <= 4 row GEMVs, djv_rows.cuh). A GEMV's work is `items` outputs x
+// `per_item` steps of reduction; flattened item-major, it is dealt out to warps in contiguous runs of q steps,
+// sized so that every warp of one resident wave gets the same bytes to move (no half-empty last wave,
+// whatever the kept fraction). A warp usually finishes its item alone; when a run splits an item, each warp
+// publishes its partial into the item's slot for it and the warp that completes the count sums the slots in
+// a fixed order (deterministic).
 struct StreamK {
     int per_item;     // steps per item
     int q;            // steps per warp
@@ -157,200 +337,59 @@ __device__ __forceinline__ bool warp_publish(unsigned* ctr, unsigned n, unsigned
     return last;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Stream-K row-tile GEMV: items = 16-row tiles, steps = 32 elements of d. For every tile this warp
-// completes, epi(tile, acc) gets acc[mat][nt][j] = sum over all of d of W_mat[row] . x[batch], with row
-// g (+8 for j >= 2) of the tile and batch nt*8 + 2c + (j & 1) (the mma accumulator layout).
-// rows(tile, r0, r1) points r0/r1 at rows g and g+8 of each matrix and returns false to skip the tile
-// (the choice must depend on the tile only, so that all warps sharing it skip it).
-template <int NT, int NMAT> __host__ __device__ constexpr int tile_unroll() { return (NT == 1 ? 8 : 4) / NMAT; }
-template <int NT, int NMAT> __host__ __device__ constexpr int tile_slot_floats() { return NMAT * NT * 4 * 32; }
-
-template <typename T, int NT, int NMAT, typename RowsF, typename EpiF>
-__device__ __forceinline__ void streamk_tiles(const T* __restrict__ x, int B, int d, float* __restrict__ part,
-                                              unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi) {
-    constexpr int U = tile_unroll<NT, NMAT>();        // 16-byte weight loads in flight: 2*U*NMAT per thread
-    constexpr int SLOT = tile_slot_floats<NT, NMAT>();  // a warp's partial, lane-major
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    long long s = (long long)gw * sk.q;
-    const long long s_end = s + sk.q < sk.total ? s + sk.q : sk.total;
-    const T* xr0 = x + (size_t)g * d;
-    const T* xr1 = x + (size_t)(g + 8) * d;
-    const bool xv0 = g < B, xv1 = (g + 8) < B;
-    while (s < s_end) {
-        const int tile = (int)(s / sk.per_item);
-        const int k0 = (int)(s - (long long)tile * sk.per_item);
-        const int k1 = (int)(k0 + (s_end - s) < sk.per_item ? k0 + (s_end - s) : sk.per_item);
-        s += k1 - k0;
-        const T* r0[NMAT];
-        const T* r1[NMAT];
-        if (!rows(tile, r0, r1)) continue;
-        float acc[NMAT][NT][4] = {};
-        for (int ks = k0; ks < k1; ks += U) {
-            uint4 wa[NMAT][U], wb[NMAT][U], xa[NT][U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int off = (ks + u) * 32 + c * 8;
-                const bool ok = ks + u < k1 && off < d;
-#pragma unroll
-                for (int m = 0; m < NMAT; ++m) {
-                    wa[m][u] = ok ? ld_stream(r0[m] + off) : zero4();
-                    wb[m][u] = ok ? ld_stream(r1[m] + off) : zero4();
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int off = (ks + u) * 32 + c * 8;
-                const bool ok = ks + u < k1 && off < d;
-                xa[0][u] = (ok && xv0) ? ld_keep(xr0 + off) : zero4();
-                if (NT == 2) xa[NT - 1][u] = (ok && xv1) ? ld_keep(xr1 + off) : zero4();
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-                    for (int t = 0; t < NT; ++t) {
-                        Mma<T>::run(acc[m][t], wa[m][u].x, wb[m][u].x, wa[m][u].y, wb[m][u].y, xa[t][u].x,
-                                    xa[t][u].y);
-                        Mma<T>::run(acc[m][t], wa[m][u].z, wb[m][u].z, wa[m][u].w, wb[m][u].w, xa[t][u].z,
-                                    xa[t][u].w);
-                    }
-        }
-        if (!(k0 == 0 && k1 == sk.per_item)) {  // split tile: publish; the completing warp sums in order
-            float* slots = part + (size_t)tile * sk.max_slots * SLOT;
-            float* mine = slots + (size_t)(gw - sk_first_warp(sk, tile)) * SLOT;
-#pragma unroll
-            for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-                for (int t = 0; t < NT; ++t)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) mine[((m * NT + t) * 4 + j) * 32 + lane] = acc[m][t][j];
-            if (!warp_publish(ctr + tile, (unsigned)(k1 - k0), (unsigned)sk.per_item)) continue;
-            const int nslots = sk_last_warp(sk, tile) - sk_first_warp(sk, tile) + 1;
-#pragma unroll
-            for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-                for (int t = 0; t < NT; ++t)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        float v = 0.f;
-                        for (int k = 0; k < nslots; ++k)
-                            v += __ldcg(slots + (size_t)k * SLOT + ((m * NT + t) * 4 + j) * 32 + lane);
-                        acc[m][t][j] = v;
-                    }
-        }
-        epi(tile, acc);
-    }
-}
-inline StreamK plan_tiles(int tiles, int d) { return plan_streamk(tiles, cdiv(d, 32), 4); }
-inline size_t tiles_part_floats(const StreamK& k, int tiles, int nt, int nmat) {
-    return (size_t)tiles * k.max_slots * nmat * nt * 128;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Down projection over active rows: y[b, :] = sum_m act[b, m] * W[row(m), :] (+ bias).
-// act is [16][Mpad] in T (row b = batch), Mpad % 16 == 0, padded entries (m >= M) are zero.
-// Items = 64-column slices of y, steps = 16-row groups (warp stream-K, above). mma as
-// D[b, col] = act^T[b, rows] . W[rows, col]: thread (g, c) loads 16 bytes (cols g*8..g*8+7) of rows 2c,
-// 2c+1, 2c+8, 2c+9, and column t of that run is n-tile t's column g. U groups are loaded before any mma,
-// so each thread keeps 4*U independent 16-byte loads in flight.
-constexpr int kDownCols = 64;
-constexpr int kDownU = 4;
-
-template <typename T>
-__global__ void __launch_bounds__(kSkThreads, 2) down_kernel(const T* __restrict__ act, int Mpad,
-                                                             const int32_t* __restrict__ idx, int bs, int M,
-                                                             const T* __restrict__ w, const T* __restrict__ bias,
-                                                             T* __restrict__ y, float* __restrict__ part,
-                                                             unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int gw = blockIdx.x * (kSkThreads / 32) + (threadIdx.x >> 5);
-    long long s = (long long)gw * sk.q;
-    const long long s_end = s + sk.q < sk.total ? s + sk.q : sk.total;
-    const T* arow0 = act + (size_t)g * Mpad;
-    const T* arow1 = act + (size_t)(g + 8) * Mpad;
-    const int slot_floats = B * kDownCols;
-    while (s < s_end) {
-        const int slice = (int)(s / sk.per_item);
-        const int j0 = (int)(s - (long long)slice * sk.per_item);
-        const int j1 = (int)(j0 + (s_end - s) < sk.per_item ? j0 + (s_end - s) : sk.per_item);
-        s += j1 - j0;
-        const int col = slice * kDownCols + g * 8;
-        const bool colok = col < d;  // d % 8 == 0: a run is all in or all out
-        float acc[8][4];
-#pragma unroll
-        for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-        for (int jg = j0; jg < j1; jg += kDownU) {
-            uint4 wv[kDownU][4];
-            uint32_t a[kDownU][4];
-#pragma unroll
-            for (int u = 0; u < kDownU; ++u) {
-                const bool ok = jg + u < j1;
-                const int jb = (jg + u) * 16;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int m = jb + 2 * c + (i & 1) + (i >> 1) * 8;
-                    const int row = expand_row(idx, m < M ? m : M - 1, bs);  // padded rows: act is 0
-                    wv[u][i] = (ok && colok) ? ld_stream(w + (size_t)row * d + col) : zero4();
-                }
-                a[u][0] = ok ? *reinterpret_cast<const uint32_t*>(arow0 + jb + 2 * c) : 0u;
-                a[u][1] = ok ? *reinterpret_cast<const uint32_t*>(arow1 + jb + 2 * c) : 0u;
-                a[u][2] = ok ? *reinterpret_cast<const uint32_t*>(arow0 + jb + 2 * c + 8) : 0u;
-                a[u][3] = ok ? *reinterpret_cast<const uint32_t*>(arow1 + jb + 2 * c + 8) : 0u;
-            }
-#pragma unroll
-            for (int u = 0; u < kDownU; ++u)
-#pragma unroll
-                for (int t = 0; t < 8; ++t) {
-                    const uint32_t sel = (t & 1) ? 0x7632u : 0x5410u;
-                    const uint32_t b0 = __byte_perm(word_of(wv[u][0], t >> 1), word_of(wv[u][1], t >> 1), sel);
-                    const uint32_t b1 = __byte_perm(word_of(wv[u][2], t >> 1), word_of(wv[u][3], t >> 1), sel);
-                    Mma<T>::run(acc[t], a[u][0], a[u][1], a[u][2], a[u][3], b0, b1);
-                }
-        }
-        // acc[t][0/1]: batch g, slice columns 16c + t and 16c + 8 + t; acc[t][2/3]: batch g + 8.
-        const int cbase = slice * kDownCols;
-        if (j0 == 0 && j1 == sk.per_item) {  // whole slice in this warp: write y directly
-#pragma unroll
-            for (int t = 0; t < 8; ++t)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {  // this thread's outputs are not the columns it loaded
-                    const int b = g + (j >> 1) * 8, cc = cbase + 16 * c + 8 * (j & 1) + t;
-                    if (b < B && cc < d) y[(size_t)b * d + cc] = from_f<T>(acc[t][j] + (bias ? to_f(bias[cc]) : 0.f));
-                }
-            continue;
-        }
-        float* slots = part + (size_t)slice * sk.max_slots * slot_floats;
-        float* mine = slots + (size_t)(gw - sk_first_warp(sk, slice)) * slot_floats;
-#pragma unroll
-        for (int t = 0; t < 8; ++t)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int b = g + (j >> 1) * 8;
-                if (b < B) mine[b * kDownCols + 16 * c + 8 * (j & 1) + t] = acc[t][j];
-            }
-        if (!warp_publish(ctr + slice, (unsigned)(j1 - j0), (unsigned)sk.per_item)) continue;
-        const int nslots = sk_last_warp(sk, slice) - sk_first_warp(sk, slice) + 1;
-        for (int i = lane; i < slot_floats; i += 32) {
-            const int b = i / kDownCols, cc = cbase + i % kDownCols;
-            if (cc >= d) continue;
-            float v = 0.f;
-            for (int k = 0; k < nslots; ++k) v += __ldcg(slots + (size_t)k * slot_floats + i);
-            y[(size_t)b * d + cc] = from_f<T>(v + (bias ? to_f(bias[cc]) : 0.f));
-        }
-    }
-}
-
-// Grids are sized from the current device's SM count, so workspace sizes must be queried on the device
-// that runs the op.
+// Host-side split choices. Both GEMV kernels run 2 CTAs of 256 threads per SM (128 registers), so a
+// grid just over a multiple of 2*SMs leaves most SMs idle for a whole extra "wave": we size grids to
+// fill the resident slots instead. Depends on the current device's SM count, so workspace sizes must be
+// queried on the device that runs the op.
 inline int sm_count() {
     int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     return sms > 0 ? sms : 132;
 }
-// Plan of the tensor-core down projection (batch > 4) for `Mpad` active rows into d columns.
-inline StreamK plan_down_mma(int d, int Mpad) { return plan_streamk(cdiv(d, kDownCols), Mpad / 16, 4); }
+inline int resident_ctas() {
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    return 2 * (sms > 0 ? sms : 132);
+}
+inline int down_splits(int d, int Mpad) {
+    const int slices = cdiv(d, 128), groups = Mpad / 16;
+    int s = resident_ctas() / slices;  // one wave, every CTA busy
+    const int cap = groups / 8 > 1 ? groups / 8 : 1;  // at least one 16-row group per warp
+    return s < 1 ? 1 : (s > cap ? cap : s);
+}
+// Split of the reduction axis for the row-tile GEMV kernels: the smallest split whose last wave is
+// >= 95% full (else the best one), keeping >= 512 elements per split.
+inline int tile_ksplit(int tiles, int d) {
+    const int r = resident_ctas();
+    const int cap = d / 512 > 1 ? (d / 512 < 8 ? d / 512 : 8) : 1;
+    int best = 1;
+    double best_eff = 0.0;
+    for (int ks = 1; ks <= cap; ++ks) {
+        if (ks > 1 && d % (ks * 1024)) continue;  // 8 warps x 128 elements per pass: keep warps balanced
+        const double w = (double)tiles * ks / r;
+        const double eff = w / (double)cdiv(tiles * ks, r);
+        if (eff >= 0.95) return ks;
+        if (eff > best_eff + 1e-9) { best_eff = eff; best = ks; }
+    }
+    return best;
+}
+__host__ __device__ inline int ksplit_chunk(int d, int ks) { return (int)align_up((size_t)cdiv(d, ks), 8); }
+
+constexpr int kDownThreads = 256;
+inline size_t down_smem(int B) { return (size_t)(kDownThreads / 32) * B * 128 * sizeof(float); }
+
+template <typename T>
+inline cudaError_t launch_down_mma(const T* act, int Mpad, const int32_t* idx, int bs, int M, const T* w, const T* bias,
+                               T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
+    const int S = down_splits(d, Mpad);
+    const size_t smem = down_smem(B);
+    // Set on every launch: each translation unit holds its own copy of this kernel (no -rdc), so a
+    // "done once" flag shared through the inline function would skip the other copies.
+    cudaError_t e = cudaFuncSetAttribute(down_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024);
+    if (e != cudaSuccess) return e;
+    dim3 grid(cdiv(d, 128), S);
+    down_kernel<T><<<grid, kDownThreads, smem, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, ctr, B, d, S);
+    return cudaGetLastError();
+}
 
 }  // namespace djv

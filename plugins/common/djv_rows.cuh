@@ -216,11 +216,11 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
 
 // ---------------------------------------------------------------------------------------------
 // The shared down projection: workspace, counters and launch, by batch size.
-inline int down_counters(int d) { return cdiv(d, kDownCols); }
+inline int down_counters(int d) { return cdiv(d, 128); }
 inline size_t down_part_floats(int B, int d, int M, int Mpad) {
     if (use_rows(B)) return (size_t)plan_rows_down(d, M).C * B * d;
-    const StreamK k = plan_down_mma(d, Mpad);
-    return (size_t)cdiv(d, kDownCols) * k.max_slots * B * kDownCols;
+    const int S = down_splits(d, Mpad);
+    return S > 1 ? (size_t)S * B * d : 0;
 }
 
 // act: [16][Mpad]. Batch > 4: rows >= B and padded entries (m >= M) must be zero; batch <= 4 reads rows < B
@@ -228,19 +228,15 @@ inline size_t down_part_floats(int B, int d, int M, int Mpad) {
 template <typename T>
 inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int bs, int M, const T* w, const T* bias,
                                T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
-    if (use_rows(B)) {
-        const RowsDownPlan p = plan_rows_down(d, M);
-        const int ctas = cdiv(p.C * p.S, kSkThreads / 32);
-        switch (rows_nb(B)) {
-        case 1: rows_down_kernel<T, 1><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
-        case 2: rows_down_kernel<T, 2><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
-        default: rows_down_kernel<T, 4><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
-        }
-        if (p.C > 1) rows_reduce_kernel<T><<<dim3(cdiv(d, 128), B), 256, 0, st>>>(part, bias, y, B, d, p.C);
-        return cudaGetLastError();
+    if (!use_rows(B)) return launch_down_mma<T>(act, Mpad, idx, bs, M, w, bias, y, part, ctr, B, d, st);
+    const RowsDownPlan p = plan_rows_down(d, M);
+    const int ctas = cdiv(p.C * p.S, kSkThreads / 32);
+    switch (rows_nb(B)) {
+    case 1: rows_down_kernel<T, 1><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
+    case 2: rows_down_kernel<T, 2><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
+    default: rows_down_kernel<T, 4><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
     }
-    const StreamK sk = plan_down_mma(d, Mpad);
-    down_kernel<T><<<streamk_ctas(sk), kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, ctr, B, d, sk);
+    if (p.C > 1) rows_reduce_kernel<T><<<dim3(cdiv(d, 128), B), 256, 0, st>>>(part, bias, y, B, d, p.C);
     return cudaGetLastError();
 }
 

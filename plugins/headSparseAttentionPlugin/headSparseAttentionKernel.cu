@@ -14,6 +14,7 @@
 namespace {
 using namespace djv;
 
+constexpr int kProjThreads = 256;
 constexpr int kAttnThreads = 128;
 constexpr int GMAX = 8;  // query heads per work item
 
@@ -51,53 +52,63 @@ __device__ __forceinline__ float rope_at(const float* u, int e, int hd, const T*
 }
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f(from_f<T>(v)); }
 
-// Tiles 0..qt-1: Q rows of the selected heads; then K rows, then V rows, of the KV slots the policy writes.
+// Batch 5-16: tiles 0..qt-1 are Q rows of the selected heads; then K rows, then V rows, of the KV slots the
+// policy writes.
 template <typename T, int NT>
-__global__ void __launch_bounds__(kSkThreads, 2) qkv_proj_kernel(
+__global__ void __launch_bounds__(kProjThreads) qkv_proj_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
-    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, int ksplit) {
+    constexpr int NW = kProjThreads / 32;
+    __shared__ float red[NW * 256];
+    __shared__ int s_head;
+    const int lane = threadIdx.x & 31, g = lane >> 2, wid = threadIdx.x >> 5;
+    const int tile = blockIdx.x, ks = blockIdx.y;
     const int qt = Kh * hd / 16, kt = nslots * hd / 16;
-    auto which_of = [&](int tile) { return tile < qt ? 0 : (tile < qt + kt ? 1 : 2); };
-    auto row_in_block = [&](int tile, int which) { return (tile - (which == 0 ? 0 : (which == 1 ? qt : qt + kt))) * 16; };
-    auto head_of = [&](int tile, int which) {  // -1: a KV slot unused this step
-        const int hs = row_in_block(tile, which) / hd;
-        if (which == 0) return (int)__ldg(head_idx + hs);
-        if (kv_policy == DJV_KV_DENSE) return hs;
-        const int group = H / Hkv;
-        const RunInfo ri = warp_runs(head_idx, Kh, [group](int h) { return h / group; }, hs, -1);
-        return ri.start >= 0 ? (int)__ldg(head_idx + ri.start) / group : -1;
-    };
-    auto rows = [&](int tile, const T* (&r0)[1], const T* (&r1)[1]) {
-        const int which = which_of(tile);
-        const int head = head_of(tile, which);
-        if (head < 0) return false;
-        const T* W = which == 0 ? wq : (which == 1 ? wk : wv);
-        const size_t rbase = (size_t)head * hd + row_in_block(tile, which) % hd;
-        r0[0] = W + (rbase + g) * d;
-        r1[0] = W + (rbase + g + 8) * d;
-        return true;
-    };
-    auto epi = [&](int tile, const float (&acc)[1][NT][4]) {
-        const int which = which_of(tile), m = row_in_block(tile, which);
-        const int head = head_of(tile, which);
-        const T* bias = which == 0 ? bq : (which == 1 ? bk : bv);
-        const size_t rbase = (size_t)head * hd + m % hd;
-        const int col0 = (which == 0 ? 0 : (which == 1 ? Kh * hd : (Kh + nslots) * hd)) + m;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int row = g + (j >> 1) * 8;
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                const int b = t * 8 + 2 * c + (j & 1);
-                if (b < B) qkv[(size_t)b * R + col0 + row] = acc[0][t][j] + (bias ? to_f(bias[rbase + row]) : 0.f);
-            }
+    const int which = tile < qt ? 0 : (tile < qt + kt ? 1 : 2);
+    const int m = (tile - (which == 0 ? 0 : (which == 1 ? qt : qt + kt))) * 16;  // row within its block
+    const int hs = m / hd, within = m % hd;
+    if (wid == 0) {
+        int head;
+        if (which == 0) head = __ldg(head_idx + hs);
+        else if (kv_policy == DJV_KV_DENSE) head = hs;
+        else {
+            const int group = H / Hkv;
+            const RunInfo ri = warp_runs(head_idx, Kh, [group](int h) { return h / group; }, hs, -1);
+            head = ri.start >= 0 ? __ldg(head_idx + ri.start) / group : -1;
         }
-    };
-    (void)lane;
-    streamk_tiles<T, NT, 1>(x, B, d, part, ctr, sk, rows, epi);
+        if (lane == 0) s_head = head;
+    }
+    __syncthreads();
+    const int head = s_head;
+    if (head < 0) return;  // unused KV slot this step (uniform over the tile's splits)
+    const T* W = which == 0 ? wq : (which == 1 ? wk : wv);
+    const T* bias = which == 0 ? bq : (which == 1 ? bk : bv);
+    const size_t rbase = (size_t)head * hd + within;
+    const T* r0[1] = {W + (rbase + g) * d};
+    const T* r1[1] = {W + (rbase + g + 8) * d};
+    const int chunk = ksplit_chunk(d, ksplit);
+    const int kb = ks * chunk, ke = min(d, kb + chunk);
+    float acc[1][NT][4] = {};
+    tile_dot<T, NT, 1, 4>(r0, r1, x, B, d, kb, ke, wid, NW, acc);
+    cta_reduce_tile<NT, 1>(acc, red, NW);
+    if (ksplit > 1) {
+        float* my = part + ((size_t)tile * ksplit + ks) * 256;
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) my[i] = red[i];
+        if (!last_arrival(ctr + tile, (unsigned)ksplit)) return;
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+            float s = 0.f;
+            for (int k = 0; k < ksplit; ++k) s += __ldcg(part + ((size_t)tile * ksplit + k) * 256 + i);
+            red[i] = s;
+        }
+        __syncthreads();
+    }
+    const int col0 = (which == 0 ? 0 : (which == 1 ? Kh * hd : (Kh + nslots) * hd)) + m;
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        const int row = i >> 4, b = i & 15;
+        if (b < B) qkv[(size_t)b * R + col0 + row] = red[i] + (bias ? to_f(bias[rbase + row]) : 0.f);
+    }
 }
 
 // Batch <= 4: the same rows, one warp per projection row at a time (512 contiguous bytes per load).
@@ -358,18 +369,19 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
 }
 
 struct AttnPlan {
-    int nslots, R, tiles, proj_items, L, nsplit, Mo;
-    StreamK proj;
+    int nslots, R, tiles, proj_items, ksplit, L, nsplit, Mo;
+    StreamK proj;  // batch <= 4
     size_t smem, off_qkv, off_pproj, off_pattn, off_o, off_pdown, total;
     int ctr_attn, ctr_down, ctr_total;
 };
 
 AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int policy, size_t esize) {
-    AttnPlan p;
+    AttnPlan p{};
     p.nslots = policy == DJV_KV_DENSE ? Hkv : (Hkv < Kh ? Hkv : Kh);
     p.R = (Kh + 2 * p.nslots) * hd;
     p.tiles = p.R / 16;
-    p.proj = use_rows(B) ? plan_rows(p.R, d) : plan_tiles(p.tiles, d);
+    p.ksplit = use_rows(B) ? 1 : tile_ksplit(p.tiles, d);
+    if (use_rows(B)) p.proj = plan_rows(p.R, d);
     p.proj_items = use_rows(B) ? p.R : p.tiles;
     const int want = cdiv(kTargetCtas, Kh * B);
     int L = (int)align_up((size_t)cdiv(T, want), 32);
@@ -385,7 +397,7 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     size_t o = kCounterBytes;
     p.off_qkv = o; o = align_up(o + (size_t)B * p.R * 4, 256);
     p.off_pproj = o; o = align_up(o + (use_rows(B) ? rows_part_floats(p.proj, p.R, rows_nb(B), 1)
-                                                  : tiles_part_floats(p.proj, p.tiles, B > 8 ? 2 : 1, 1)) * 4, 256);
+                                                  : (p.ksplit > 1 ? (size_t)p.tiles * p.ksplit * 256 : 0)) * 4, 256);
     p.off_pattn = o; o = align_up(o + (size_t)B * Kh * p.nsplit * GMAX * (hd + 2) * 4, 256);
     p.off_o = o; o = align_up(o + (size_t)16 * p.Mo * esize, 256);
     p.off_pdown = o; o = align_up(o + down_part_floats(B, d, p.Mo, p.Mo) * 4, 256);
@@ -431,10 +443,10 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     T* o_act = reinterpret_cast<T*>(base + p.off_o);
     float* pdown = reinterpret_cast<float*>(base + p.off_pdown);
 #define DJV_PROJ(NT)                                                                                                   \
-    qkv_proj_kernel<T, NT><<<streamk_ctas(p.proj), kSkThreads, 0, st>>>(                                                            \
+    qkv_proj_kernel<T, NT><<<dim3(p.tiles, p.ksplit), kProjThreads, 0, st>>>(                                        \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
-        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
+        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.ksplit)
 #define DJV_ROWS(NB)                                                                                                   \
     qkv_rows_kernel<T, NB><<<streamk_ctas(p.proj), kSkThreads, 0, st>>>(                                              \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \

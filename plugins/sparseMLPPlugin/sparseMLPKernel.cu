@@ -1,10 +1,10 @@
-// DejaVuSparseMLP kernels (docs/ops.md): two launches, both warp stream-K (djv_device.cuh), so a resident
-// wave of warps moves equal bytes at any kept fraction.
-//  1. mlp_up_kernel: items = 16-neuron tiles, steps = 32 elements of d. Up (and gate) dot products on the
-//     tensor cores, bias + activation fused by the warp that completes a tile; writes the activations
-//     a[16][Mpad] in the I/O dtype.
-//  2. djv::down_kernel: items = 64-column slices of y, steps = 16 active neurons of w_down_t, + b_down.
-// Every active weight byte is loaded once (16-byte, L1-bypassing loads); inactive rows are never touched.
+// DejaVuSparseMLP kernels (docs/ops.md): up projection + activation, then down projection.
+//  Batch <= 4 (djv_rows.cuh, CUDA cores): mlp_rows_up_kernel, one warp per active neuron row at a time
+//     (warp stream-K over 512-byte chunks), then djv::rows_down_kernel + rows_reduce_kernel.
+//  Batch 5-16 (djv_device.cuh, tensor cores): mlp_up_kernel, 16 active neurons per CTA (x split of d),
+//     then djv::down_kernel.
+// Both write the activations a[16][Mpad] in the I/O dtype between the two steps. Every active weight byte
+// is loaded once (16-byte, L1-bypassing loads); inactive rows are never touched.
 #include "dejavu_kernels.h"
 #include "djv_rows.cuh"
 
@@ -16,45 +16,60 @@ template <int ACT> __device__ __forceinline__ float activate(float u) {
     return 0.5f * u * (1.f + erff(u * 0.70710678118654752f));  // exact (erf) GELU
 }
 
+constexpr int kUpThreads = 256;
+
 template <typename T, int NT, int ACT>
-__global__ void __launch_bounds__(kSkThreads, 2) mlp_up_kernel(const T* __restrict__ x, const int32_t* __restrict__ idx,
-                                                               int bs, int M, int Mpad, const T* __restrict__ w_gate,
-                                                               const T* __restrict__ w_up, const T* __restrict__ b_up,
-                                                               T* __restrict__ act, float* __restrict__ part,
-                                                               unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
+__global__ void __launch_bounds__(kUpThreads) mlp_up_kernel(const T* __restrict__ x, const int32_t* __restrict__ idx,
+                                                            int bs, int M, int Mpad, const T* __restrict__ w_gate,
+                                                            const T* __restrict__ w_up, const T* __restrict__ b_up,
+                                                            T* __restrict__ act, float* __restrict__ part,
+                                                            unsigned* __restrict__ ctr, int B, int d, int ksplit) {
     constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : 1;
-    const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
-    auto rows = [&](int tile, const T* (&r0)[NMAT], const T* (&r1)[NMAT]) {
-        const int m0 = tile * 16 + g, m1 = m0 + 8;
-        const size_t row0 = (size_t)expand_row(idx, m0 < M ? m0 : M - 1, bs);  // padded rows: output is 0
-        const size_t row1 = (size_t)expand_row(idx, m1 < M ? m1 : M - 1, bs);
-        if (NMAT == 2) { r0[0] = w_gate + row0 * d; r1[0] = w_gate + row1 * d; }
-        r0[NMAT - 1] = w_up + row0 * d; r1[NMAT - 1] = w_up + row1 * d;
-        return true;
-    };
-    auto epi = [&](int tile, const float (&acc)[NMAT][NT][4]) {
+    constexpr int NW = kUpThreads / 32;
+    __shared__ float red[NW * NMAT * 256];
+    const int lane = threadIdx.x & 31, g = lane >> 2, wid = threadIdx.x >> 5;
+    const int tile = blockIdx.x, ks = blockIdx.y;
+    const int m0 = tile * 16 + g, m1 = m0 + 8;
+    const size_t row0 = (size_t)expand_row(idx, m0 < M ? m0 : M - 1, bs);
+    const size_t row1 = (size_t)expand_row(idx, m1 < M ? m1 : M - 1, bs);
+    const T* mats[NMAT];
+    if (NMAT == 2) { mats[0] = w_gate; mats[NMAT - 1] = w_up; } else { mats[0] = w_up; }
+    const T* r0[NMAT];
+    const T* r1[NMAT];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int mi = tile * 16 + g + (j >> 1) * 8;
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                const int b = t * 8 + 2 * c + (j & 1);
-                float v = 0.f;  // padded neurons and batch rows: exactly zero so they contribute nothing
-                if (mi < M && b < B) {
-                    if (ACT == DJV_SILU_GLU) {
-                        const float gt = acc[0][t][j], up = acc[NMAT - 1][t][j];
-                        v = gt / (1.f + __expf(-gt)) * up;
-                    } else {
-                        const float bias = b_up ? to_f(b_up[expand_row(idx, mi, bs)]) : 0.f;
-                        v = activate<ACT>(acc[0][t][j] + bias);
-                    }
-                }
-                act[(size_t)b * Mpad + mi] = from_f<T>(v);
-            }
-            if (NT == 1) act[(size_t)(8 + 2 * c + (j & 1)) * Mpad + mi] = from_f<T>(0.f);
+    for (int m = 0; m < NMAT; ++m) { r0[m] = mats[m] + row0 * d; r1[m] = mats[m] + row1 * d; }
+
+    const int chunk = ksplit_chunk(d, ksplit);
+    const int kb = ks * chunk, ke = min(d, kb + chunk);
+    float acc[NMAT][NT][4] = {};
+    tile_dot<T, NT, NMAT, 4>(r0, r1, x, B, d, kb, ke, wid, NW, acc);
+    cta_reduce_tile<NT, NMAT>(acc, red, NW);  // red[m*256 + row*16 + batch]
+
+    if (ksplit > 1) {
+        float* my = part + ((size_t)tile * ksplit + ks) * NMAT * 256;
+        for (int i = threadIdx.x; i < NMAT * 256; i += blockDim.x) my[i] = red[i];
+        if (!last_arrival(ctr + tile, (unsigned)ksplit)) return;
+        for (int i = threadIdx.x; i < NMAT * 256; i += blockDim.x) {
+            float s = 0.f;
+            for (int k = 0; k < ksplit; ++k) s += __ldcg(part + ((size_t)tile * ksplit + k) * NMAT * 256 + i);
+            red[i] = s;
         }
-    };
-    streamk_tiles<T, NT, NMAT>(x, B, d, part, ctr, sk, rows, epi);
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        const int row = i >> 4, b = i & 15, m = tile * 16 + row;
+        float v = 0.f;  // padded neurons and batch rows: exactly zero so they contribute nothing
+        if (m < M && b < B) {
+            if (ACT == DJV_SILU_GLU) {
+                const float gt = red[i], up = red[256 + i];
+                v = gt / (1.f + __expf(-gt)) * up;
+            } else {
+                const float bias = b_up ? to_f(b_up[expand_row(idx, m, bs)]) : 0.f;
+                v = activate<ACT>(red[i] + bias);
+            }
+        }
+        act[(size_t)b * Mpad + m] = from_f<T>(v);
+    }
 }
 
 // Batch <= 4: one warp per active neuron row at a time (512 contiguous bytes per load), djv_rows.cuh.
@@ -87,13 +102,14 @@ __global__ void __launch_bounds__(kSkThreads, 2) mlp_rows_up_kernel(
 }
 
 struct MlpPlan {
-    int M, Mpad, tiles, up_items;
-    StreamK up;
+    int M, Mpad, tiles, up_items, ksplit;
+    StreamK up;  // batch <= 4
     size_t off_act, off_up, off_down, total;
 };
 
 MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
-    MlpPlan p;
+    MlpPlan p{};
+    p.ksplit = 1;
     p.M = K * bs;
     p.Mpad = (int)align_up((size_t)p.M, 16);
     p.tiles = p.Mpad / 16;
@@ -105,8 +121,8 @@ MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
         up_floats = rows_part_floats(p.up, p.M, rows_nb(B), nmat);
     } else {
         p.up_items = p.tiles;
-        p.up = plan_tiles(p.tiles, d);
-        up_floats = tiles_part_floats(p.up, p.tiles, B > 8 ? 2 : 1, nmat);
+        p.ksplit = tile_ksplit(p.tiles, d);
+        up_floats = p.ksplit > 1 ? (size_t)p.tiles * p.ksplit * nmat * 256 : 0;
     }
     size_t o = kCounterBytes;
     p.off_act = o; o = align_up(o + (size_t)16 * p.Mpad * esize, 256);
@@ -119,8 +135,9 @@ MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
 template <typename T, int NT, int ACT>
 cudaError_t run_up(const MlpPlan& p, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu, const T* bu,
                    T* act, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
-    mlp_up_kernel<T, NT, ACT><<<streamk_ctas(p.up), kSkThreads, 0, st>>>(x, idx, bs, p.M, p.Mpad, wg, wu, bu, act,
-                                                                          part, ctr, B, d, p.up);
+    dim3 grid(p.tiles, p.ksplit);
+    mlp_up_kernel<T, NT, ACT><<<grid, kUpThreads, 0, st>>>(x, idx, bs, p.M, p.Mpad, wg, wu, bu, act, part, ctr, B, d,
+                                                            p.ksplit);
     return cudaGetLastError();
 }
 
