@@ -29,7 +29,7 @@ Functions (fp16 or bf16 tensors, contiguous, on one CUDA device; index tensors i
     reference returns updated copies). Biases may be None (zero); rope tables may be None if rotary=0.
 
 Limits (checked, ValueError otherwise): 1 <= B <= 16; d % 8 == 0; head_dim in {64, 128, 256};
-predictor ranks even and <= 2048, Nb and H even. ``*_workspace_size`` give the byte counts.
+predictor ranks <= 2048. ``*_workspace_size`` give the byte counts.
 """
 from __future__ import annotations
 

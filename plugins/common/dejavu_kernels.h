@@ -53,7 +53,7 @@ DJV_API int djv_workspace_prepare(void* workspace, size_t workspace_bytes, cudaS
 /* ---- DejaVuLookaheadPredictor -------------------------------------------------------------
  * h [B,d]; mlp_a [d,r_m]; mlp_b [r_m,Nb]; head_a [d,r_h]; head_b [r_h,H] -> mlp_idx [K], head_idx [Kh]
  * (ascending, ties toward the lower index). head_a/head_b/head_idx may be NULL (MLP part only).
- * Limits: B <= 16, r_m and r_h <= 2048 and even, Nb <= 65536, H <= 65536, Nb and H even.
+ * Limits: B <= 16, r_m and r_h <= 2048, Nb <= 65536, H <= 65536 (odd sizes use element loads).
  * mlp_scores (optional, may be NULL): [Nb] float32 batch-max scores, for tests/debugging. */
 DJV_API size_t djv_predictor_workspace_size(int B, int d, int r_m, int Nb, int r_h, int H);
 DJV_API int djv_lookahead_predictor(const void* h, const void* mlp_a, const void* mlp_b, const void* head_a,

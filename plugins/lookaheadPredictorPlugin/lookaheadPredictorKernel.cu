@@ -32,6 +32,9 @@ template <typename T, int VEC> struct Vec;
 template <typename T> struct Vec<T, 8> {
     static __device__ __forceinline__ void load(const T* p, float (&f)[8]) { unpack8<T>(ld_keep(p), f); }
 };
+template <typename T> struct Vec<T, 1> {  // odd row lengths (e.g. SmolLM2's 9 heads): element loads
+    static __device__ __forceinline__ void load(const T* p, float (&f)[1]) { f[0] = to_f(p[0]); }
+};
 template <typename T> struct Vec<T, 2> {
     static __device__ __forceinline__ void load(const T* p, float (&f)[2]) {
         const uint32_t w = __ldg(reinterpret_cast<const unsigned int*>(p));
@@ -326,6 +329,7 @@ PredPlan plan_pred(int B, int d, int r_m, int Nb, int r_h, int H) {
     p.nb = B <= 1 ? 1 : (B <= 4 ? 4 : (B <= 8 ? 8 : 16));
     p.vec_a = (r_m % 8 == 0 && (r_h == 0 || r_h % 8 == 0)) ? 8 : 2;
     p.vec_b = (Nb % 8 == 0 && (H == 0 || H % 8 == 0)) ? 8 : 2;
+    if (r_m % 2 || r_h % 2 || Nb % 2 || H % 2) p.vec_a = p.vec_b = 1;  // a row length is odd: element loads
     int dev = 0, optin = 48 * 1024;
     if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     p.keys_smem = (size_t)p.nmax * 4 + 8192 <= (size_t)optin;
@@ -368,6 +372,7 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
 template <typename T, int NB>
 int run_pred_nb(const void* h, Part p0, Part p1, float* so, int B, int d, float eps, const PredPlan& p, void* ws,
                 cudaStream_t st) {
+    if (p.vec_a == 1) return launch_pred<T, NB, 1, 1>(h, p0, p1, so, B, d, eps, p, ws, st);
     if (p.vec_a == 8)
         return p.vec_b == 8 ? launch_pred<T, NB, 8, 8>(h, p0, p1, so, B, d, eps, p, ws, st)
                             : launch_pred<T, NB, 8, 2>(h, p0, p1, so, B, d, eps, p, ws, st);
@@ -401,18 +406,17 @@ DJV_API int djv_lookahead_predictor(const void* h, const void* mlp_a, const void
                                     int B, int d, int r_m, int Nb, int K, int r_h, int H, int Kh, float eps,
                                     int dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
     const bool heads = head_a != nullptr;
-    if (B < 1 || B > kMaxB || d < 1 || r_m < 2 || r_m % 2 || r_m > 2048 || Nb < 2 || Nb % 2 || Nb > 65536 || K < 1 ||
-        K > Nb)
+    if (B < 1 || B > kMaxB || d < 1 || r_m < 1 || r_m > 2048 || Nb < 1 || Nb > 65536 || K < 1 || K > Nb)
         return DJV_E_SHAPE;
-    if (heads && (r_h < 2 || r_h % 2 || r_h > 2048 || H < 2 || H % 2 || H > 65536 || Kh < 1 || Kh > H))
+    if (heads && (r_h < 1 || r_h > 2048 || H < 1 || H > 65536 || Kh < 1 || Kh > H))
         return DJV_E_SHAPE;
     if (dtype != DJV_FLOAT16 && dtype != DJV_BFLOAT16) return DJV_E_DTYPE;
     if (!h || !mlp_a || !mlp_b || !mlp_idx || (heads && (!head_b || !head_idx))) return DJV_E_POINTER;
     if (!aligned16(workspace)) return DJV_E_POINTER;
     PredPlan p = plan_pred(B, d, r_m, Nb, heads ? r_h : 0, heads ? H : 0);
     // 16-byte loads need aligned bases (rows are aligned when the row lengths are multiples of 8)
-    if (!aligned16(mlp_a) || (heads && !aligned16(head_a))) p.vec_a = 2;
-    if (!aligned16(mlp_b) || (heads && !aligned16(head_b))) p.vec_b = 2;
+    if (p.vec_a == 8 && (!aligned16(mlp_a) || (heads && !aligned16(head_a)))) p.vec_a = 2;
+    if (p.vec_b == 8 && (!aligned16(mlp_b) || (heads && !aligned16(head_b)))) p.vec_b = 2;
     if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
     if (2 * p.ncg > kMaxCounters) return DJV_E_SHAPE;
     Part p0{mlp_a, mlp_b, r_m, Nb, K, mlp_idx};

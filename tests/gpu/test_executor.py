@@ -17,8 +17,9 @@ def _model(family: str):
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
     torch.manual_seed(0)
     if family == "llama":
-        cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
+        # SmolLM2-135M's attention shape (9 heads, 3 KV heads, head_dim 64): odd head counts must work
+        cfg = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=512, num_hidden_layers=3,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=256)
         return LlamaForCausalLM(cfg).eval()
     cfg = OPTConfig(vocab_size=512, hidden_size=256, ffn_dim=1024, num_hidden_layers=3, num_attention_heads=4,
                     max_position_embeddings=256, word_embed_proj_dim=256)

@@ -209,6 +209,8 @@ PRED_CASES = [  # B, d, r_m, Nb, K, r_h, H, Kh
     (3, 4096, 256, 30002, 777, 64, 32, 31),
     (1, 5120, 128, 20480, 5120, 64, 40, 8),   # the benchmark shape: 16-byte loads, batch 1
     (2, 1000, 6, 60000, 3000, 10, 6, 2),      # ranks not multiples of 8 (4-byte loads); keys too big for smem
+    (1, 576, 64, 1536, 768, 32, 9, 6),        # SmolLM2-135M: 9 heads (odd row length: element loads)
+    (3, 200, 7, 33, 5, 5, 9, 1),              # odd ranks and unit counts everywhere
 ]
 
 
