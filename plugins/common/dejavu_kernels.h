@@ -6,7 +6,8 @@
  *    d and every row length must be a multiple of 8 elements (16-byte vector loads).
  *  - dtype is DJV_FLOAT16 or DJV_BFLOAT16 for every floating tensor of a call; index tensors are int32.
  *  - Calls only enqueue work on `stream`: no allocation, no host synchronisation, CUDA-graph capturable.
- *  - `workspace` must hold at least the bytes the matching *_workspace_size() returns, and must be
+ *  - `workspace` must hold at least the bytes the matching *_workspace_size() returns (the size for batch
+ *    B also serves every batch below B), and must be
  *    ZERO-FILLED before its first use. The kernels return the small counter region they use to zero
  *    before they finish, so a workspace reserved for one op stays valid across calls. A caller that
  *    shares scratch memory between ops (TensorRT) must call djv_workspace_prepare() first.

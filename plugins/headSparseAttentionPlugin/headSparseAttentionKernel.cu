@@ -488,7 +488,12 @@ extern "C" {
 
 DJV_API size_t djv_head_attention_workspace_size(int B, int d, int H, int Hkv, int hd, int Kh, int T, int kv_policy) {
     if (B < 1 || d < 8 || H < 1 || Hkv < 1 || hd < 16 || Kh < 1 || T < 1) return 0;
-    return plan_attn(B, d, H, Hkv, hd, Kh, T, kv_policy, 2).total;
+    size_t need = 0;  // the largest over 1..B (not monotonic in B; see djv_sparse_mlp_workspace_size)
+    for (int b = 1; b <= B && b <= 16; ++b) {
+        const size_t t = plan_attn(b, d, H, Hkv, hd, Kh, T, kv_policy, 2).total;
+        need = t > need ? t : need;
+    }
+    return need;
 }
 
 DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, const int32_t* position,

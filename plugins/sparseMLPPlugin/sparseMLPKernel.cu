@@ -198,7 +198,14 @@ extern "C" {
 DJV_API size_t djv_sparse_mlp_workspace_size(int B, int d, int N, int K, int block_size, int activation) {
     (void)N;
     if (B < 1 || d < 8 || K < 1 || block_size < 1) return 0;
-    return plan_mlp(B, d, K, block_size, activation, 2).total;
+    // Batch <= 4 and batch > 4 use different kernels and scratch, so the need is not monotonic in B: take the
+    // largest over 1..B, so that a workspace sized for a maximum batch (TensorRT) serves every smaller one.
+    size_t need = 0;
+    for (int b = 1; b <= B && b <= 16; ++b) {
+        const size_t t = plan_mlp(b, d, K, block_size, activation, 2).total;
+        need = t > need ? t : need;
+    }
+    return need;
 }
 
 DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w_up, const void* b_up,

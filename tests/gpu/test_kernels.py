@@ -72,6 +72,20 @@ def test_sparse_mlp(B, d, N, K, bs, activation, dtype):
     assert torch.equal(y, y2), "not deterministic"
 
 
+def test_sparse_mlp_workspace_for_max_batch_serves_every_batch():
+    """TensorRT sizes the workspace once, for the profile's maximum batch. Batch <= 4 and batch > 4 use
+    different kernels and scratch, so the size for B=16 must cover every smaller batch (it did not before
+    djv_sparse_mlp_workspace_size took the maximum over 1..B)."""
+    d, N, K = 5120, 20480, 5120  # OPT-13B MLP, 25% kept: where batch 4 needs more scratch than batch 16
+    x16, p = make_mlp(16, d, N, "relu", torch.float16)
+    idx = rand_idx(N, K)
+    ws = torch.zeros(kernels.sparse_mlp_workspace_size(16, d, N, K, 1, "relu"), dtype=torch.uint8, device="cuda")
+    for B in (1, 2, 3, 4, 5, 8, 16):
+        x = x16[:B].contiguous()
+        y = kernels.sparse_mlp(x, idx, activation="relu", workspace=ws, **p)
+        assert torch.equal(y, kernels.sparse_mlp(x, idx, activation="relu", **p)), B
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("activation", ["relu", "silu_glu"])
 def test_sparse_mlp_all_active_equals_dense(activation, dtype):
