@@ -42,6 +42,7 @@ MLP_CASES = [  # B, d, N, K, block_size
     (9, 1032, 1000, 333, 1),   # 9 rows -> second n-tile, non-multiple-of-16 active rows
     (16, 4096, 2752, 700, 1),  # larger, d split across CTAs
     (1, 5120, 4096, 1024, 1),
+    (2, 576, 1536, 768, 1),    # SmolLM2 MLP at 50%, batch 2 (the 2-row CUDA-core path)
 ]
 
 
