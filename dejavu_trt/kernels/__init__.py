@@ -38,7 +38,7 @@ import os
 from pathlib import Path
 
 __all__ = [
-    "available", "load_library", "library_path", "KernelsUnavailable",
+    "available", "load_library", "open_library", "library_path", "KernelsUnavailable",
     "predictor", "sparse_mlp", "head_sparse_attention",
     "predictor_workspace_size", "sparse_mlp_workspace_size", "head_attention_workspace_size",
 ]
@@ -61,6 +61,7 @@ def library_path() -> Path:
 
 
 def load_library():
+    """The library at `library_path()`, loaded once per process."""
     global _lib
     if _lib is not None:
         return _lib
@@ -69,6 +70,12 @@ def load_library():
         raise KernelsUnavailable(
             f"libdejavu_kernels not found at {path}; build it with `python -m dejavu_trt.kernels.build` "
             "(needs nvcc and cmake) or point DEJAVU_KERNELS_LIB at it")
+    _lib = open_library(path)
+    return _lib
+
+
+def open_library(path: str | Path) -> ctypes.CDLL:
+    """Load libdejavu_kernels from `path` with its C signatures declared (not cached)."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:  # e.g. no CUDA runtime on this machine
@@ -91,7 +98,6 @@ def load_library():
     lib.djv_head_sparse_attention.argtypes = [P] * 16 + [I] * 8 + [F, I, I, P, Z, P]
     if lib.djv_abi_version() != 1:
         raise KernelsUnavailable(f"{path}: C ABI version {lib.djv_abi_version()}, expected 1")
-    _lib = lib
     return lib
 
 

@@ -1,0 +1,85 @@
+"""The kernels' host-side C ABI, on a machine without a GPU: argument checks and workspace sizes.
+
+libdejavu_kernels is built from plugins/ (nvcc + cmake; no GPU needed). A call whose arguments pass every
+check goes on to launch and fails there with a CUDA error (a positive status), because there is no device;
+a call the ABI rejects returns a negative DJV_E_* status before touching CUDA. The device pointers below
+are fake, which is only safe because nothing can launch: with a GPU present these tests skip.
+"""
+import shutil
+
+import pytest
+
+from dejavu_trt import kernels
+
+DJV_E_SHAPE, DJV_E_WORKSPACE = -1, -3
+FAKE = 0x10000  # a 16-byte-aligned non-null "device pointer"; never dereferenced without a device
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None,
+                       reason="building libdejavu_kernels needs nvcc and cmake"),
+    pytest.mark.skipif(_gpu_present(), reason="uses fake device pointers; on a GPU machine see tests/gpu"),
+]
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    from dejavu_trt.kernels.build import build
+    return kernels.open_library(build(tmp_path_factory.mktemp("kernels-build"), jobs=2))
+
+
+MLP_SHAPES = [(5120, 20480, 5120, 0), (576, 1536, 768, 2), (4096, 11008, 2752, 2), (200, 37, 1, 1)]  # d, N, K, act
+
+
+@pytest.mark.parametrize("d,N,K,act", MLP_SHAPES)
+def test_mlp_workspace_for_max_batch_serves_every_batch(lib, d, N, K, act):
+    """TensorRT sizes the workspace once, for the profile's maximum batch; batch <= 4 and batch > 4 use
+    different kernels and scratch, so that size must satisfy the check of every smaller batch."""
+    ws16 = lib.djv_sparse_mlp_workspace_size(16, d, N, K, 1, act)
+    sizes = [lib.djv_sparse_mlp_workspace_size(b, d, N, K, 1, act) for b in range(1, 17)]
+    assert sizes == sorted(sizes) and sizes[-1] == ws16
+    for B in range(1, 17):
+        st = lib.djv_sparse_mlp(FAKE, FAKE, FAKE, FAKE, None, FAKE, None, FAKE, B, d, N, K, 1, act, 0, FAKE, ws16,
+                                None)
+        assert st > 0, f"batch {B}: status {st} ({lib.djv_status_string(st).decode()}), expected a launch error"
+    st = lib.djv_sparse_mlp(FAKE, FAKE, FAKE, FAKE, None, FAKE, None, FAKE, 1, d, N, K, 1, act, 0, FAKE, 4096, None)
+    assert st == DJV_E_WORKSPACE  # and a workspace that is too small is refused before any launch
+
+
+@pytest.mark.parametrize("kv_policy", [0, 1])
+def test_attention_workspace_for_max_batch_serves_every_batch(lib, kv_policy):
+    d, H, Hkv, hd, Kh, T = 5120, 40, 40, 128, 8, 2048
+    ws16 = lib.djv_head_attention_workspace_size(16, d, H, Hkv, hd, Kh, T, kv_policy)
+    for B in range(1, 17):
+        st = lib.djv_head_sparse_attention(FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, None, None, None, None, FAKE,
+                                           FAKE, FAKE, FAKE, FAKE, B, d, H, Hkv, hd, Kh, T, 1, 0.088, kv_policy, 0,
+                                           FAKE, ws16, None)
+        assert st > 0, f"batch {B}: status {st} ({lib.djv_status_string(st).decode()})"
+
+
+@pytest.mark.parametrize("B,d,r_m,Nb,K,r_h,H,Kh", [
+    (1, 576, 64, 1536, 768, 32, 9, 6),  # SmolLM2-135M: 9 heads (was rejected as "bad shape")
+    (3, 200, 7, 33, 5, 5, 9, 1),        # odd ranks and unit counts
+    (16, 5120, 128, 20480, 5120, 64, 40, 8),
+])
+def test_predictor_accepts_model_shapes(lib, B, d, r_m, Nb, K, r_h, H, Kh):
+    ws = lib.djv_predictor_workspace_size(B, d, r_m, Nb, r_h, H)
+    st = lib.djv_lookahead_predictor(FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, None, B, d, r_m, Nb, K, r_h, H, Kh,
+                                     1e-5, 0, FAKE, ws, None)
+    assert st > 0, f"status {st} ({lib.djv_status_string(st).decode()}), expected a launch error"
+
+
+@pytest.mark.parametrize("B,Nb,K,H,Kh", [(17, 64, 8, 4, 1), (1, 64, 65, 4, 1), (1, 64, 8, 4, 5), (1, 64, 0, 4, 1)])
+def test_predictor_rejects_bad_shapes(lib, B, Nb, K, H, Kh):
+    ws = lib.djv_predictor_workspace_size(min(B, 16), 64, 8, Nb, 8, H)
+    st = lib.djv_lookahead_predictor(FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, None, B, 64, 8, Nb, K, 8, H, Kh,
+                                     1e-5, 0, FAKE, ws, None)
+    assert st == DJV_E_SHAPE
