@@ -1,12 +1,13 @@
 // DejaVuHeadSparseAttention decode kernels (docs/ops.md): three launches.
-//  1. qkv_proj_kernel: Q rows of the selected heads, K/V rows of the KV heads the policy writes
-//     (dense: all, active: those the selected heads read), tensor-core GEMV as in the MLP, + bias -> fp32.
+//  1. Q rows of the selected heads, K/V rows of the KV heads the policy writes (dense: all, active: those
+//     the selected heads read), + bias -> fp32: qkv_rows_kernel (batch <= 4, coalesced rows, djv_rows.cuh)
+//     or qkv_proj_kernel (batch 5-16, tensor-core GEMV as in the MLP).
 //  2. attn_kernel: split-T flash decoding. One CTA per (work item, batch row, token split); a work item is
 //     up to 8 selected query heads that share a KV head, so GQA groups read their K/V once. Slot
 //     position[b] is taken from the fresh projection (RoPE applied, rounded to the cache dtype) rather than
 //     from the cache, so the extra "writer" CTAs that store the new K/V rows need no ordering with readers.
 //     The last split of each item merges the partial softmaxes in a fixed order.
-//  3. djv::down_kernel: output projection over the selected heads' rows of w_o_t (+ b_o).
+//  3. djv::launch_down: output projection over the selected heads' rows of w_o_t (+ b_o).
 #include <math.h>
 #include "dejavu_kernels.h"
 #include "djv_rows.cuh"
