@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <atomic>
 
 namespace djv {
 
@@ -341,16 +342,22 @@ __device__ __forceinline__ bool warp_publish(unsigned* ctr, unsigned n, unsigned
 // grid just over a multiple of 2*SMs leaves most SMs idle for a whole extra "wave": we size grids to
 // fill the resident slots instead. Depends on the current device's SM count, so workspace sizes must be
 // queried on the device that runs the op.
-inline int sm_count() {
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    return sms > 0 ? sms : 132;
+// A device attribute, looked up once per device: the plans read these on every launch and workspace query
+// (eager calls, TensorRT enqueues), and they never change. `fallback` when there is no usable device.
+template <cudaDeviceAttr A>
+inline int device_attr(int fallback) {
+    constexpr int kMaxDevices = 64;
+    static std::atomic<int> cache[kMaxDevices];  // 0: not looked up yet
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return fallback;
+    int v = cache[dev].load(std::memory_order_relaxed);
+    if (v > 0) return v;
+    if (cudaDeviceGetAttribute(&v, A, dev) != cudaSuccess || v <= 0) return fallback;
+    cache[dev].store(v, std::memory_order_relaxed);
+    return v;
 }
-inline int resident_ctas() {
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    return 2 * (sms > 0 ? sms : 132);
-}
+inline int sm_count() { return device_attr<cudaDevAttrMultiProcessorCount>(132); }
+inline int resident_ctas() { return 2 * sm_count(); }
 inline int down_splits(int d, int Mpad) {
     const int slices = cdiv(d, 128), groups = Mpad / 16;
     int s = resident_ctas() / slices;  // one wave, every CTA busy
