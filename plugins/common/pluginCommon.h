@@ -30,20 +30,10 @@ public:
     }
     // Reads name from fc (a creator's input) with a default; false if present with a wrong type.
     static bool getInt(PluginFieldCollection const* fc, char const* n, int32_t& out) {
-        for (int32_t i = 0; fc && i < fc->nbFields; ++i)
-            if (!std::strcmp(fc->fields[i].name, n)) {
-                if (fc->fields[i].type != PluginFieldType::kINT32 || fc->fields[i].length < 1) return false;
-                out = *static_cast<int32_t const*>(fc->fields[i].data);
-            }
-        return true;
+        return getScalar(fc, n, PluginFieldType::kINT32, out);
     }
     static bool getFloat(PluginFieldCollection const* fc, char const* n, float& out) {
-        for (int32_t i = 0; fc && i < fc->nbFields; ++i)
-            if (!std::strcmp(fc->fields[i].name, n)) {
-                if (fc->fields[i].type != PluginFieldType::kFLOAT32 || fc->fields[i].length < 1) return false;
-                out = *static_cast<float const*>(fc->fields[i].data);
-            }
-        return true;
+        return getScalar(fc, n, PluginFieldType::kFLOAT32, out);
     }
     static bool getString(PluginFieldCollection const* fc, char const* n, std::string& out) {
         for (int32_t i = 0; fc && i < fc->nbFields; ++i)
@@ -64,6 +54,15 @@ public:
     }
 
 private:
+    template <typename V>
+    static bool getScalar(PluginFieldCollection const* fc, char const* n, PluginFieldType type, V& out) {
+        for (int32_t i = 0; fc && i < fc->nbFields; ++i)
+            if (!std::strcmp(fc->fields[i].name, n)) {
+                if (fc->fields[i].type != type || fc->fields[i].length < 1) return false;
+                out = *static_cast<V const*>(fc->fields[i].data);
+            }
+        return true;
+    }
     struct Entry { std::string name; std::vector<char> bytes; PluginFieldType type; int32_t length; };
     void put(char const* n, void const* p, PluginFieldType t, int32_t len, size_t nbytes) {
         for (auto& e : mEntries)
