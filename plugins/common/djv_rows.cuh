@@ -184,18 +184,20 @@ __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __res
     }
 }
 
-// y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias). CTA: 32 float4 columns x 8 chunk lanes.
+// y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias). CTA: 16 float4 columns x 16 chunk lanes,
+// so a column's partials are read by 16 threads at once (one L2 round trip per 16 chunks).
+constexpr int kReduceLanes = 16;
 template <typename T>
 __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
                                                           T* __restrict__ y, int B, int d, int C) {
-    __shared__ float4 red[8][32];
-    const int cl = threadIdx.x & 31, kl = threadIdx.x >> 5;
-    const int b = blockIdx.y, c4 = blockIdx.x * 32 + cl;  // float4 column
+    __shared__ float4 red[kReduceLanes][16];
+    const int cl = threadIdx.x & 15, kl = threadIdx.x >> 4;
+    const int b = blockIdx.y, c4 = blockIdx.x * 16 + cl;  // float4 column
     const bool ok = c4 * 4 < d;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     if (ok) {
-#pragma unroll 4
-        for (int k = kl; k < C; k += 8) {
+#pragma unroll 8
+        for (int k = kl; k < C; k += kReduceLanes) {
             const float4 v = __ldcg(reinterpret_cast<const float4*>(part + ((size_t)k * B + b) * d) + c4);
             s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
         }
@@ -205,13 +207,21 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
     if (kl != 0 || !ok) return;
     float4 t = red[0][cl];
 #pragma unroll
-    for (int k = 1; k < 8; ++k) { t.x += red[k][cl].x; t.y += red[k][cl].y; t.z += red[k][cl].z; t.w += red[k][cl].w; }
+    for (int k = 1; k < kReduceLanes; ++k) {
+        t.x += red[k][cl].x; t.y += red[k][cl].y; t.z += red[k][cl].z; t.w += red[k][cl].w;
+    }
     const int col = c4 * 4;
     if (bias) { t.x += to_f(bias[col]); t.y += to_f(bias[col + 1]); t.z += to_f(bias[col + 2]); t.w += to_f(bias[col + 3]); }
     uint2 o;
     o.x = pack2<T>(t.x, t.y);
     o.y = pack2<T>(t.z, t.w);
     *reinterpret_cast<uint2*>(y + (size_t)b * d + col) = o;
+}
+
+template <typename T>
+inline cudaError_t launch_rows_reduce(const float* part, const T* bias, T* y, int B, int d, int C, cudaStream_t st) {
+    rows_reduce_kernel<T><<<dim3(cdiv(d, 64), B), 256, 0, st>>>(part, bias, y, B, d, C);
+    return cudaGetLastError();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -236,7 +246,7 @@ inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int b
     case 2: rows_down_kernel<T, 2><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
     default: rows_down_kernel<T, 4><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
     }
-    if (p.C > 1) rows_reduce_kernel<T><<<dim3(cdiv(d, 128), B), 256, 0, st>>>(part, bias, y, B, d, p.C);
+    if (p.C > 1) return launch_rows_reduce<T>(part, bias, y, B, d, p.C, st);
     return cudaGetLastError();
 }
 

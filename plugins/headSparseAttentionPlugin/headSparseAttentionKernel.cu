@@ -18,6 +18,7 @@ using namespace djv;
 constexpr int kProjThreads = 256;
 constexpr int kAttnThreads = 128;
 constexpr int GMAX = 8;  // query heads per work item
+constexpr int kMaxSplits = kAttnThreads * 8;  // merge weights [GMAX][nsplit] reuse ored: RP*GMAX*hd = GMAX*1024 floats
 
 // Warp 0 helper: over p in [0, Kh), flag(p) = p == 0 || key(head_idx[p]) != key(head_idx[p-1]).
 // Returns the position of the n-th flag (or -1), the next flag after it (or Kh) and the count of flags at
@@ -346,26 +347,44 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         mypart[tid * PSTRIDE + 1] = 0.f;
     }
     if (!last_arrival(ctr + (size_t)b * Kh + x, (unsigned)nsplit)) return;
+    // Merge the splits' partial softmaxes. Each split's weight exp2(m_k - M) / den is computed once per head
+    // (warp g, lanes over splits) into shared memory, so the per-element sums below are independent loads
+    // that pipeline, instead of a chain of L2 round trips per split. ored is free now: nsplit <= kMaxSplits.
     const float* pb = part + ((size_t)b * Kh + x) * nsplit * GMAX * PSTRIDE;
+    float* wsp = ored;  // [GMAX][nsplit]
+    for (int g = wid; g < G; g += kAttnThreads / 32) {
+        float M = -INFINITY;
+        for (int k = lane; k < nsplit; k += 32) {
+            const float* pz = pb + ((size_t)k * GMAX + g) * PSTRIDE;
+            const float mk = __ldcg(pz), lk = __ldcg(pz + 1);
+            wsp[g * nsplit + k] = lk > 0.f ? mk : -INFINITY;
+            if (lk > 0.f) M = fmaxf(M, mk);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float den = 0.f;
+        for (int k = lane; k < nsplit; k += 32) {
+            const float mk = wsp[g * nsplit + k];
+            const float w = mk == -INFINITY ? 0.f : exp2f(mk - M);
+            den += w * __ldcg(pb + ((size_t)k * GMAX + g) * PSTRIDE + 1);
+            wsp[g * nsplit + k] = w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+        const float inv = 1.f / den;  // den > 0: the split holding position[b] always has l > 0
+        for (int k = lane; k < nsplit; k += 32) wsp[g * nsplit + k] *= inv;
+    }
+    __syncthreads();
     const int Mo = Kh * HD;
     for (int i = tid; i < G * HD; i += blockDim.x) {
         const int g = i / HD, e = i % HD;
-        float M = -INFINITY;
-        for (int k = 0; k < nsplit; ++k) {
-            const float* pz = pb + ((size_t)k * GMAX + g) * PSTRIDE;
-            if (__ldcg(pz + 1) > 0.f) M = fmaxf(M, __ldcg(pz));
+        float num = 0.f;
+#pragma unroll 8
+        for (int k = 0; k < nsplit; ++k) {  // empty splits (w = 0) wrote no values: never read them
+            const float w = wsp[g * nsplit + k];
+            num = fmaf(w, w != 0.f ? __ldcg(pb + ((size_t)k * GMAX + g) * PSTRIDE + 2 + e) : 0.f, num);
         }
-        float num = 0.f, den = 0.f;
-        for (int k = 0; k < nsplit; ++k) {
-            const float* pz = pb + ((size_t)k * GMAX + g) * PSTRIDE;
-            const float lz = __ldcg(pz + 1);
-            if (lz > 0.f) {
-                const float w = exp2f(__ldcg(pz) - M);
-                den += lz * w;
-                num += w * __ldcg(pz + 2 + e);
-            }
-        }
-        o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num / den);
+        o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num);
     }
 }
 
@@ -388,7 +407,7 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     int L = (int)align_up((size_t)cdiv(T, want), 32);
     L = L < 64 ? 64 : (L > 1024 ? 1024 : L);
     p.L = L;
-    p.nsplit = cdiv(T, L);
+    p.nsplit = cdiv(T, L);  // <= kMaxSplits up to T = 2^20 (L <= 1024); checked at the entry point
     p.Mo = Kh * hd;
     const int RP = kAttnThreads / (hd / 8);
     p.smem = (size_t)(GMAX * hd + 2 * hd + GMAX * L + RP * GMAX * hd) * sizeof(float);
@@ -517,7 +536,7 @@ DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, co
         return DJV_E_POINTER;
     const AttnPlan p = plan_attn(B, d, H, Hkv, hd, Kh, T, kv_policy, 2);
     if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
-    if (p.ctr_total > kMaxCounters) return DJV_E_SHAPE;
+    if (p.ctr_total > kMaxCounters || p.nsplit > kMaxSplits) return DJV_E_SHAPE;
     if (dtype == DJV_FLOAT16)
         return run_attn<__half>(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos, rope_sin,
                                 k_cache, v_cache, y, B, d, H, Hkv, hd, Kh, T, rotary, scale, kv_policy, workspace,

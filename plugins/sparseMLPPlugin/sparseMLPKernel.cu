@@ -5,7 +5,10 @@
 //     then djv::down_kernel.
 // Both write the activations a[16][Mpad] in the I/O dtype between the two steps. Every active weight byte
 // is loaded once (16-byte, L1-bypassing loads); inactive rows are never touched.
+//  Batch <= 4 on sm_90 (d <= 8192): mlp_bulk_kernel does up, activation and down in one pass, streaming
+//     whole rows through shared memory with bulk copies (djv_bulk.cuh); the activations stay on chip.
 #include "dejavu_kernels.h"
+#include "djv_bulk.cuh"
 #include "djv_rows.cuh"
 
 namespace {
@@ -101,8 +104,199 @@ __global__ void __launch_bounds__(kSkThreads, 2) mlp_rows_up_kernel(
     streamk_rows<T, NB, NMAT>(x, B, d, part, ctr, sk, rows, epi);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Batch <= 4 on sm_90: the whole MLP in one pass. CTA c owns a contiguous run of active neurons. Thread 0
+// streams each neuron's rows - gate (SwiGLU), up, down^T: NSEG contiguous runs of d values - into a ring of
+// shared-memory stages with bulk copies; then every thread
+//   (1) dots its 8*VPT columns of the up row(s) with x (held in registers), the CTA sums the dot,
+//   (2) applies bias + activation (fp32, never rounded to the I/O dtype),
+//   (3) adds a * (its columns of the down row) to its fp32 partial of y.
+// One __syncthreads per neuron: after it, every thread is done with the previous neuron's stage, so thread 0
+// refills that stage. Partials part[c][b][:] are summed in CTA order by rows_reduce_kernel (deterministic).
+constexpr int kBulkMaxThreads = 512;
+constexpr int kBulkMaxStages = 8;
+constexpr size_t kBulkHeader = 2048;  // mbarriers [0, 128), cross-warp dot sums [128, 2048)
+constexpr size_t kBulkSmPerSm = 200 * 1024;
+
+struct BulkPlan {
+    int vpt, threads, stages, ctas, per, rem;
+    size_t smem;
+};
+
+inline int bulk_vpt(int d) { return d / 8 <= kBulkMaxThreads ? 1 : (d / 8 <= 2 * kBulkMaxThreads ? 2 : 0); }
+
+// Valid (ctas > 0) when the fused kernel applies: batch <= 4, register budget NB * VPT <= 4, and at least two
+// stages fit. Sized for one device; needs the device for SM count and shared-memory limit.
+inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
+    BulkPlan p{};
+    p.vpt = bulk_vpt(d);
+    if (!use_rows(B) || p.vpt == 0 || rows_nb(B) * p.vpt > 4 || !bulk_copy_supported()) return p;
+    p.threads = (int)align_up((size_t)cdiv(d / 8, p.vpt), 32);
+    const size_t stage = (size_t)nseg * d * 2;
+    // Two CTAs per SM when each still gets 3 stages and their registers fit (ptxas: <= 80 per thread at
+    // batch 1, up to 115 above): a second CTA hides the per-neuron barrier.
+    const int regs = rows_nb(B) == 1 ? 80 : 128;
+    const int per_sm = (2 * (kBulkHeader + 3 * stage) <= kBulkSmPerSm && 2 * p.threads * regs <= 65536) ? 2 : 1;
+    const size_t cap = (size_t)smem_optin() < kBulkSmPerSm / per_sm ? (size_t)smem_optin() : kBulkSmPerSm / per_sm;
+    if (cap < kBulkHeader + 2 * stage) return p;
+    p.stages = (int)((cap - kBulkHeader) / stage);
+    if (p.stages > kBulkMaxStages) p.stages = kBulkMaxStages;
+    p.smem = kBulkHeader + (size_t)p.stages * stage;
+    p.ctas = M < per_sm * sm_count() ? M : per_sm * sm_count();
+    p.per = M / p.ctas;
+    p.rem = M % p.ctas;
+    return p;
+}
+
+template <typename T, int NB, int ACT, int VPT>
+__global__ void __launch_bounds__(kBulkMaxThreads, 1) mlp_bulk_kernel(
+    const T* __restrict__ x, const int32_t* __restrict__ idx, int bs, const T* __restrict__ w_gate,
+    const T* __restrict__ w_up, const T* __restrict__ b_up, const T* __restrict__ w_down_t, float* __restrict__ part,
+    int B, int d, BulkPlan p) {
+#ifdef DJV_BULK
+    constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : 1;  // up-side rows per neuron
+    constexpr int NSEG = NMAT + 1;
+    constexpr int NV = NMAT * NB;  // dot sums per neuron
+    extern __shared__ __align__(128) unsigned char smem[];
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
+    float* red = reinterpret_cast<float*>(smem + 128);  // [2][16 warps][NV]
+    T* ring = reinterpret_cast<T*>(smem + kBulkHeader);
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    const int j0 = blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
+    const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
+    const unsigned seg_bytes = (unsigned)d * sizeof(T);
+    const uint64_t pol = l2_evict_first_policy();
+
+    auto issue = [&](int j) {  // thread 0: neuron j's rows into stage j % stages
+        const int s = j % p.stages;
+        const size_t row = (size_t)expand_row(idx, j0 + j, bs);
+        T* dst = ring + (size_t)s * NSEG * d;
+        mbar_expect_tx(&bars[s], NSEG * seg_bytes);
+        if (NMAT == 2) bulk_load(dst, w_gate + row * d, seg_bytes, &bars[s], pol);
+        bulk_load(dst + (size_t)(NMAT - 1) * d, w_up + row * d, seg_bytes, &bars[s], pol);
+        bulk_load(dst + (size_t)NMAT * d, w_down_t + row * d, seg_bytes, &bars[s], pol);
+    };
+    if (tid == 0) {
+        for (int s = 0; s < p.stages; ++s) mbar_init(&bars[s], 1);
+        fence_barrier_init();
+        for (int j = 0; j < n && j < p.stages; ++j) issue(j);
+    }
+
+    // x in registers (packed), columns c(v) = (v * blockDim + tid) * 8; zeros past d and for batch rows >= B.
+    uint4 xr[NB][VPT];
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+        const int c = (v * blockDim.x + tid) * 8;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) xr[b][v] = (c < d && b < B) ? ld_keep(x + (size_t)b * d + c) : zero4();
+    }
+    float acc[NB][VPT][8] = {};
+    __syncthreads();  // barrier inits visible to every waiting thread
+
+    for (int j = 0; j < n; ++j) {
+        const int s = j % p.stages;
+        const float bias = (ACT != DJV_SILU_GLU && b_up) ? to_f(b_up[expand_row(idx, j0 + j, bs)]) : 0.f;
+        mbar_wait(&bars[s], (unsigned)(j / p.stages) & 1u);
+        const T* st = ring + (size_t)s * NSEG * d;
+        float dot[NMAT][NB] = {};
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) {
+            const int c = (v * blockDim.x + tid) * 8;
+            if (c >= d) continue;
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m) {
+                float wf[8];
+                unpack8<T>(*reinterpret_cast<const uint4*>(st + (size_t)m * d + c), wf);
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    float xf[8];
+                    unpack8<T>(xr[b][v], xf);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) dot[m][b] = fmaf(wf[e], xf[e], dot[m][b]);
+                }
+            }
+        }
+        float* rb = red + (j & 1) * 16 * NV;  // double-buffered: neuron j+1 may write before all read j
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                float t = dot[m][b];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+                if (lane == 0) rb[wid * NV + m * NB + b] = t;
+            }
+        __syncthreads();
+        // Every thread is past neuron j-1's down row: its stage is free.
+        if (tid == 0 && j >= 1 && j - 1 + p.stages < n) {
+            fence_proxy_async();
+            issue(j - 1 + p.stages);
+        }
+        float a[NB];
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            float g = 0.f, u = 0.f;
+            for (int w = 0; w < nw; ++w) {  // fixed order: deterministic
+                g += rb[w * NV + b];
+                if (NMAT == 2) u += rb[w * NV + NB + b];
+            }
+            if (ACT == DJV_SILU_GLU) a[b] = g / (1.f + __expf(-g)) * u;
+            else a[b] = activate<ACT>(g + bias);
+        }
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) {
+            const int c = (v * blockDim.x + tid) * 8;
+            if (c >= d) continue;
+            float wf[8];
+            unpack8<T>(*reinterpret_cast<const uint4*>(st + (size_t)NMAT * d + c), wf);
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[b][v][e] = fmaf(a[b], wf[e], acc[b][v][e]);
+        }
+    }
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+        const int c = (v * blockDim.x + tid) * 8;
+        if (c >= d) continue;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            if (b >= B) break;
+            float4* dst = reinterpret_cast<float4*>(part + ((size_t)blockIdx.x * B + b) * d + c);
+            dst[0] = make_float4(acc[b][v][0], acc[b][v][1], acc[b][v][2], acc[b][v][3]);
+            dst[1] = make_float4(acc[b][v][4], acc[b][v][5], acc[b][v][6], acc[b][v][7]);
+        }
+    }
+#endif
+}
+
+template <typename T, int NB, int ACT, int VPT>
+cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
+                     const T* bu, const T* wd, const T* bd, T* y, float* part, int B, int d, cudaStream_t st) {
+    auto* k = mlp_bulk_kernel<T, NB, ACT, VPT>;
+    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
+    if (e != cudaSuccess) return e;
+    k<<<bp.ctas, bp.threads, bp.smem, st>>>(x, idx, bs, wg, wu, bu, wd, part, B, d, bp);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    return launch_rows_reduce<T>(part, bd, y, B, d, bp.ctas, st);
+}
+
+template <typename T, int ACT>
+cudaError_t run_bulk_any(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
+                         const T* bu, const T* wd, const T* bd, T* y, float* part, int B, int d, cudaStream_t st) {
+    const int nb = rows_nb(B);
+    if (bp.vpt == 1) {
+        if (nb == 1) return run_bulk<T, 1, ACT, 1>(bp, x, idx, bs, wg, wu, bu, wd, bd, y, part, B, d, st);
+        if (nb == 2) return run_bulk<T, 2, ACT, 1>(bp, x, idx, bs, wg, wu, bu, wd, bd, y, part, B, d, st);
+        return run_bulk<T, 4, ACT, 1>(bp, x, idx, bs, wg, wu, bu, wd, bd, y, part, B, d, st);
+    }
+    if (nb == 1) return run_bulk<T, 1, ACT, 2>(bp, x, idx, bs, wg, wu, bu, wd, bd, y, part, B, d, st);
+    return run_bulk<T, 2, ACT, 2>(bp, x, idx, bs, wg, wu, bu, wd, bd, y, part, B, d, st);
+}
+
 struct MlpPlan {
     int M, Mpad, tiles, up_items, ksplit;
+    BulkPlan bulk;  // fused batch <= 4 kernel on sm_90, when bulk.ctas > 0
     StreamK up;  // batch <= 4
     size_t off_act, off_up, off_down, total;
 };
@@ -114,7 +308,15 @@ MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
     p.Mpad = (int)align_up((size_t)p.M, 16);
     p.tiles = p.Mpad / 16;
     const int nmat = act == DJV_SILU_GLU ? 2 : 1;
+    p.bulk = plan_bulk(B, d, p.M, nmat + 1);
     size_t up_floats;
+    if (p.bulk.ctas > 0) {
+        p.up_items = 0;
+        size_t o = kCounterBytes;
+        p.off_act = p.off_up = p.off_down = o;
+        p.total = align_up(o + (size_t)p.bulk.ctas * B * d * 4, 256);
+        return p;
+    }
     if (use_rows(B)) {
         p.up_items = p.M;
         p.up = plan_rows(p.M, d);
@@ -176,6 +378,16 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     const T* wg = static_cast<const T*>(w_gate);
     const T* wu = static_cast<const T*>(w_up);
     const T* bu = static_cast<const T*>(b_up);
+    const T* bd = act == DJV_SILU_GLU ? nullptr : static_cast<const T*>(b_down);
+    const T* wd = static_cast<const T*>(w_down_t);
+    T* yt = static_cast<T*>(y);
+    if (p.bulk.ctas > 0) {
+        switch (act) {
+        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, yt, pd, B, d, st);
+        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, yt, pd, B, d, st);
+        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, yt, pd, B, d, st);
+        }
+    }
     cudaError_t e;
     switch (act) {
     case DJV_RELU: e = run_up_any<T, DJV_RELU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
@@ -183,9 +395,7 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     default: e = run_up_any<T, DJV_SILU_GLU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
     }
     if (e != cudaSuccess) return (int)e;
-    const T* bd = act == DJV_SILU_GLU ? nullptr : static_cast<const T*>(b_down);
-    e = launch_down<T>(a, p.Mpad, idx, bs, p.M, static_cast<const T*>(w_down_t), bd, static_cast<T*>(y), pd, ctr_down,
-                       B, d, st);
+    e = launch_down<T>(a, p.Mpad, idx, bs, p.M, wd, bd, yt, pd, ctr_down, B, d, st);
     return (int)e;
 }
 

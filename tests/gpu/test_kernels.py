@@ -43,6 +43,11 @@ MLP_CASES = [  # B, d, N, K, block_size
     (16, 4096, 2752, 700, 1),  # larger, d split across CTAs
     (1, 5120, 4096, 1024, 1),
     (2, 576, 1536, 768, 1),    # SmolLM2 MLP at 50%, batch 2 (the 2-row CUDA-core path)
+    # sm_90 fused bulk-copy path: stage ring wrapping many times per CTA, batch 3-4 with one column vector
+    # per thread, and d = 8192 with two per thread (one CTA per SM, 4 stages).
+    (4, 1032, 3000, 2500, 1),
+    (1, 8192, 4096, 3000, 1),
+    (2, 8192, 700, 699, 1),
 ]
 
 

@@ -1,0 +1,94 @@
+// djv_bulk.cuh - Hopper (sm_90) bulk copies into shared memory, completed on mbarriers.
+//
+// Why: a warp's plain loads keep at most a few KB per SM in flight (registers bound it), and the row GEMVs
+// of djv_rows.cuh top out near 2.6 TB/s on a 50 MB gather. One thread issuing cp.async.bulk copies of whole
+// weight rows (each a contiguous run of d values in the neuron-major layout) keeps 100+ KB per SM in flight
+// with no registers at all, which is what HBM3e needs. Every wrapper compiles to nothing below sm_90; callers
+// pick these kernels only on devices of compute capability >= 9 (bulk_copy_supported()).
+#pragma once
+#include "djv_device.cuh"
+
+namespace djv {
+
+inline bool bulk_copy_supported() { return device_attr<cudaDevAttrComputeCapabilityMajor>(0) >= 9; }
+inline int smem_optin() { return device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024); }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DJV_BULK 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+#ifdef DJV_BULK
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+
+// Make mbarrier inits visible to the copy engine (async proxy) before the first copy names them.
+__device__ __forceinline__ void fence_barrier_init() {
+#ifdef DJV_BULK
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// Order this thread's earlier generic-proxy shared-memory accesses before later copy-engine writes.
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef DJV_BULK
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Arm a barrier phase for `bytes` of incoming copies (one arrival: the issuing thread).
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+#ifdef DJV_BULK
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+#endif
+}
+
+// Weights are streamed once: mark them first to go from L2 so that activations and partials stay.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+    uint64_t pol = 0;
+#ifdef DJV_BULK
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+#endif
+    return pol;
+}
+
+// dst (shared) <- src (global), `bytes` a multiple of 16, both 16-byte aligned; completes on `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint64_t pol) {
+#ifdef DJV_BULK
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::
+            "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(pol)
+        : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+#ifdef DJV_BULK
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        "DJV_WAIT_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        " @!p bra DJV_WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+#endif
+}
+
+// Programmatic dependent launch (sm_90): let the next kernel of the stream start its launch now / wait here
+// until the previous kernel's results are visible. No-ops below sm_90 and when launched without PDL.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#ifdef DJV_BULK
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait_primary() {
+#ifdef DJV_BULK
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+}  // namespace djv
