@@ -6,6 +6,8 @@
 // with no registers at all, which is what HBM3e needs. Every wrapper compiles to nothing below sm_90; callers
 // pick these kernels only on devices of compute capability >= 9 (bulk_copy_supported()).
 #pragma once
+#include <stdlib.h>
+#include <utility>
 #include "djv_device.cuh"
 
 namespace djv {
@@ -89,6 +91,30 @@ __device__ __forceinline__ void pdl_wait_primary() {
 #ifdef DJV_BULK
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+
+// Launch with programmatic stream serialization (sm_90): the kernel may start while the previous kernel of the
+// stream still runs, and must call pdl_wait_primary() before touching anything that kernel writes. Plain
+// launch below sm_90 or when DJV_NO_PDL is set in the environment (for ablations).
+inline bool pdl_enabled() {
+    static const bool env_off = getenv("DJV_NO_PDL") != nullptr;
+    return !env_off && bulk_copy_supported();
+}
+
+template <typename... KArgs, typename... Args>
+inline cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                              Args&&... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl_enabled() ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace djv

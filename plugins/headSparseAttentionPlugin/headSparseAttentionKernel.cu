@@ -10,6 +10,7 @@
 //  3. djv::launch_down: output projection over the selected heads' rows of w_o_t (+ b_o).
 #include <math.h>
 #include "dejavu_kernels.h"
+#include "djv_bulk.cuh"
 #include "djv_rows.cuh"
 
 namespace {
@@ -65,6 +66,7 @@ __global__ void __launch_bounds__(kProjThreads) qkv_proj_kernel(
     constexpr int NW = kProjThreads / 32;
     __shared__ float red[NW * 256];
     __shared__ int s_head;
+    pdl_launch_dependents();  // the attention kernel may start its KV-cache reads now
     const int lane = threadIdx.x & 31, g = lane >> 2, wid = threadIdx.x >> 5;
     const int tile = blockIdx.x, ks = blockIdx.y;
     const int qt = Kh * hd / 16, kt = nslots * hd / 16;
@@ -120,6 +122,7 @@ __global__ void __launch_bounds__(kSkThreads, 2) qkv_rows_kernel(
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
     float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
+    pdl_launch_dependents();  // the attention kernel may start its KV-cache reads now
     const int lane = threadIdx.x & 31;
     const int qr = Kh * hd, kr = nslots * hd;
     auto which_of = [&](int item) { return item < qr ? 0 : (item < qr + kr ? 1 : 2); };
@@ -193,6 +196,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         __syncthreads();
         const int kv = s_info[0];
         if (kv < 0) return;
+        pdl_wait_primary();  // the new K/V come from the projection kernel
         const float* kr = qkv_b + (size_t)Kh * HD + (size_t)slot * HD;
         const float* vr = kr + (size_t)nslots * HD;
         const size_t off = (((size_t)b * Hkv + kv) * Tlen + pos) * HD;
@@ -223,6 +227,21 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     float* mypart = part + (((size_t)b * Kh + x) * nsplit + z) * GMAX * PSTRIDE;
 
     if (n > 0) {
+        const int r = tid / TPR, l = tid % TPR;
+        const T* kbase = kc + ((size_t)b * Hkv + kv) * Tlen * HD + l * 8;
+        const T* vbase = vc + ((size_t)b * Hkv + kv) * Tlen * HD + l * 8;
+        // UNR*RP tokens per pass (64: the usual L is one pass). The first pass's K and V rows are loaded
+        // before anything that needs the projection (q, the new K/V): with programmatic dependent launch
+        // this runs while the QKV kernel finishes, and either way their HBM latency overlaps the q setup.
+        constexpr int UNR = 8;
+        uint4 kpre[UNR], vpre[UNR];
+#pragma unroll
+        for (int j = 0; j < UNR; ++j) {
+            const int t = t0 + j * RP + r;
+            kpre[j] = (t < t1 && t != pos) ? ld_stream(kbase + (size_t)t * HD) : zero4();
+            vpre[j] = (t < t1 && t != pos) ? ld_stream(vbase + (size_t)t * HD) : zero4();
+        }
+        pdl_wait_primary();
         for (int i = tid; i < G * HD; i += blockDim.x) {
             const int g = i / HD, e = i % HD;
             const float* qr = qkv_b + (size_t)(st + g) * HD;
@@ -237,29 +256,17 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             }
         }
         __syncthreads();
-        const int r = tid / TPR, l = tid % TPR;
-        const T* kbase = kc + ((size_t)b * Hkv + kv) * Tlen * HD + l * 8;
-        const T* vbase = vc + ((size_t)b * Hkv + kv) * Tlen * HD + l * 8;
         float qreg[GM][8];
 #pragma unroll
         for (int g = 0; g < GM; ++g)
 #pragma unroll
             for (int e = 0; e < 8; ++e) qreg[g][e] = g < G ? q_s[g * HD + l * 8 + e] : 0.f;
-        // UNR*RP tokens per pass (64: the usual L is one pass). The first pass's V rows are loaded with its
-        // K rows, so their HBM latency overlaps the scores and the softmax instead of following them.
-        constexpr int UNR = 8;
-        uint4 vpre[UNR];
-#pragma unroll
-        for (int j = 0; j < UNR; ++j) {
-            const int t = t0 + j * RP + r;
-            vpre[j] = (t < t1 && t != pos) ? ld_stream(vbase + (size_t)t * HD) : zero4();
-        }
         for (int tb = t0; tb < t1; tb += UNR * RP) {
             uint4 kv4[UNR];
 #pragma unroll
             for (int j = 0; j < UNR; ++j) {
                 const int t = tb + j * RP + r;
-                kv4[j] = (t < t1 && t != pos) ? ld_stream(kbase + (size_t)t * HD) : zero4();
+                kv4[j] = tb == t0 ? kpre[j] : ((t < t1 && t != pos) ? ld_stream(kbase + (size_t)t * HD) : zero4());
             }
 #pragma unroll
             for (int j = 0; j < UNR; ++j) {
@@ -432,10 +439,9 @@ cudaError_t launch_attn_g(const AttnPlan& p, const float* qkv, const int32_t* hi
     cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, HD, GM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
     if (e != cudaSuccess) return e;
     dim3 grid(Kh + p.nslots, B, p.nsplit);
-    attn_kernel<T, HD, GM><<<grid, kAttnThreads, p.smem, st>>>(qkv, p.R, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, H,
-                                                           Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L,
-                                                           p.nsplit);
-    return cudaGetLastError();
+    // Programmatic dependent launch: the KV-cache reads overlap the tail of the QKV projection.
+    return launch_pdl(attn_kernel<T, HD, GM>, grid, dim3(kAttnThreads), p.smem, st, qkv, p.R, hidx, pos, rc, rs, kc, vc,
+                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit);
 }
 
 template <typename T, int HD>
