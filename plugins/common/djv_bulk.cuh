@@ -49,6 +49,13 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
 #endif
 }
 
+// Plain arrival (count 1, no bytes): a consumer releasing a stage, or a producer completing an empty phase.
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#ifdef DJV_BULK
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
 // Weights are streamed once: mark them first to go from L2 so that activations and partials stay.
 __device__ __forceinline__ uint64_t l2_evict_first_policy() {
     uint64_t pol = 0;

@@ -199,6 +199,24 @@ def test_head_sparse_attention(B, H, Hkv, hd, d, T, Kh, rotary, kv_policy, dtype
     check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype)
 
 
+@pytest.mark.parametrize("B", [1, 4])
+def test_attention_unused_kv_slot(B):
+    """Active KV policy with two selected heads of one GQA group: 2 KV slots planned, one used. The unused
+    slot's rows must be skipped (neither read as a head nor written to the cache)."""
+    H, Hkv, hd, d, T, dtype = 16, 4, 64, 264, 50, torch.float16
+    x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
+    hidx = torch.tensor([4, 6], device="cuda", dtype=torch.int32)  # both in KV group 1
+    pos = torch.randint(0, T, (B,), device="cuda", dtype=torch.int32)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
+    want_y, want_k, want_v = attn_ref(x, hidx, pos, w, kc, vc, **kw)
+    kc0, vc0 = kc.clone(), vc.clone()
+    y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+    kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y, **kw)
+    assert torch.isfinite(y).all()
+    assert relerr(y, want_y) < TOL[dtype]
+    check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_attention_all_heads_equals_dense(dtype):
     B, H, Hkv, hd, d, T = 3, 8, 4, 64, 512, 90
