@@ -38,6 +38,10 @@ struct BulkPlan {
 // NB * VPT = 8 need more (ptxas spilled at 128), so those run one CTA of 256 per SM.
 __host__ __device__ constexpr int bulk_min_ctas(int nb, int vpt) { return nb * vpt > 4 ? 1 : 2; }
 
+// The CTA's matrix rows, looked up once in parallel (int32 each): issuing a copy right after its own index
+// load would put one L2 round trip per stage on the pipeline's ramp.
+__host__ __device__ inline size_t bulk_table_bytes(int rows) { return align_up((size_t)rows * 4, 128); }
+
 // Column vectors (8 values) per thread: the smallest power of two that covers d with <= 256 threads.
 inline int bulk_vpt(int d) {
     for (int v = 1; v <= 8; v *= 2)
@@ -60,11 +64,13 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     per_sm = per_sm < by_regs ? per_sm : by_regs;
     per_sm = per_sm < 1 ? 1 : (per_sm > 4 ? 4 : per_sm);
     const size_t cap = (size_t)smem_optin() < kBulkSmPerSm / per_sm ? (size_t)smem_optin() : kBulkSmPerSm / per_sm;
-    if (cap < kBulkHeader + 2 * stage) return p;
-    p.stages = (int)((cap - kBulkHeader) / stage);
+    const int ctas = M < per_sm * sm_count() ? M : per_sm * sm_count();
+    const size_t head = kBulkHeader + bulk_table_bytes(M / ctas + 1);
+    if (cap < head + 2 * stage) return p;
+    p.stages = (int)((cap - head) / stage);
     if (p.stages > kBulkMaxStages) p.stages = kBulkMaxStages;
-    p.smem = kBulkHeader + (size_t)p.stages * stage;
-    p.ctas = M < per_sm * sm_count() ? M : per_sm * sm_count();
+    p.smem = head + (size_t)p.stages * stage;
+    p.ctas = ctas;
     p.per = M / p.ctas;
     p.rem = M % p.ctas;
     return p;
@@ -85,7 +91,8 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     extern __shared__ __align__(128) unsigned char smem[];
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
     float* red = reinterpret_cast<float*>(smem + 128);  // [2][8 warps][NV]
-    T* ring = reinterpret_cast<T*>(smem + kBulkHeader);
+    int* rowtab = reinterpret_cast<int*>(smem + kBulkHeader);  // [p.per + 1]
+    T* ring = reinterpret_cast<T*>(smem + kBulkHeader + bulk_table_bytes(p.per + 1));
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
     const int j0 = blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
     const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
@@ -95,18 +102,21 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
 
     auto issue = [&](int j) {  // thread 0: neuron j's rows into stage j % stages
         const int s = j % p.stages;
-        const size_t row = (size_t)expand_row(idx, j0 + j, bs);
+        const size_t row = (size_t)rowtab[j];
         T* dst = ring + (size_t)s * NSEG * d;
         mbar_expect_tx(&bars[s], NSEG * seg_bytes);
         if (NMAT == 2) bulk_load(dst, w_gate + row * d, seg_bytes, &bars[s], pol);
         if (NMAT >= 1) bulk_load(dst + (size_t)(NMAT - 1) * d, w_up + row * d, seg_bytes, &bars[s], pol);
         bulk_load(dst + (size_t)NMAT * d, w_down_t + row * d, seg_bytes, &bars[s], pol);
     };
+    for (int i = tid; i < n; i += blockDim.x) rowtab[i] = expand_row(idx, j0 + i, bs);
     if (tid == 0) {
         for (int s = 0; s < p.stages; ++s) mbar_init(&bars[s], 1);
         fence_barrier_init();
-        for (int j = 0; j < n && j < p.stages; ++j) issue(j);
     }
+    __syncthreads();  // row table and barrier inits visible to every thread
+    if (tid == 0)
+        for (int j = 0; j < n && j < p.stages; ++j) issue(j);
 
     // x in registers, columns c(v) = (v * blockDim + tid) * 8; zeros past d and for batch rows >= B.
     uint4 xr[NB][VPT];
@@ -121,11 +131,10 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         }
     }
     float acc[NB][VPT][8] = {};
-    __syncthreads();  // barrier inits visible to every waiting thread
 
     for (int j = 0; j < n; ++j) {
         const int s = j % p.stages;
-        const float bias = (NMAT == 1 && b_up) ? to_f(b_up[expand_row(idx, j0 + j, bs)]) : 0.f;
+        const float bias = (NMAT == 1 && b_up) ? to_f(b_up[rowtab[j]]) : 0.f;
         float given[NB];  // kActGiven: this neuron's activations
 #pragma unroll
         for (int b = 0; b < NB; ++b) given[b] = (NMAT == 0 && b < B) ? to_f(x[(size_t)b * x_stride + j0 + j]) : 0.f;

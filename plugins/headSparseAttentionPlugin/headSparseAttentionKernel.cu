@@ -167,23 +167,28 @@ __global__ void __launch_bounds__(kSkThreads, 2) qkv_rows_kernel(
 // row landed; empty[s]: its consumer is done with it. One warp per row: no CTA barrier in the loop.
 constexpr int kQkvConsumers = 4;
 constexpr int kQkvMaxStages = 16;
-constexpr size_t kQkvHeader = 512 + 4 * 1024;  // full/empty barriers, KV slot map (<= 1024 slots)
+constexpr int kQkvMaxHeads = 1024;  // head_idx and the KV slot map are staged in shared memory
+constexpr size_t kQkvHeader = 512 + 2 * 4 * kQkvMaxHeads;  // full/empty barriers, head_idx, KV slot map
 
-struct QkvBulkPlan { int stages, ctas, per, rem; size_t smem; };
+struct QkvBulkPlan { int stages, ctas, per, rem; size_t smem, off_rows, off_x, off_ring; };
 
-inline QkvBulkPlan plan_qkv_bulk(int B, int d, int R, int nslots) {
+inline QkvBulkPlan plan_qkv_bulk(int B, int d, int R, int Kh, int nslots) {
     QkvBulkPlan p{};
-    if (!use_rows(B) || !bulk_copy_supported() || nslots > 1024) return p;
+    if (!use_rows(B) || !bulk_copy_supported() || Kh > kQkvMaxHeads || nslots > kQkvMaxHeads) return p;
     const size_t row = (size_t)d * 2, xb = align_up((size_t)rows_nb(B) * d * 2, 128);
     const int per_sm = 2 * (kQkvHeader + xb + 8 * row) <= 200 * 1024 ? 2 : 1;
-    const size_t cap0 = (size_t)smem_optin() < 200 * 1024 / per_sm ? (size_t)smem_optin() : 200 * 1024 / per_sm;
-    if (cap0 < kQkvHeader + xb + (kQkvConsumers + 1) * row) return p;
-    p.stages = (int)((cap0 - kQkvHeader - xb) / row);
+    const size_t cap = (size_t)smem_optin() < 200 * 1024 / per_sm ? (size_t)smem_optin() : 200 * 1024 / per_sm;
+    const int ctas = R < per_sm * sm_count() ? R : per_sm * sm_count();
+    p.off_rows = kQkvHeader;
+    p.off_x = p.off_rows + align_up((size_t)(R / ctas + 1) * 4, 128);
+    p.off_ring = p.off_x + xb;
+    if (cap < p.off_ring + (kQkvConsumers + 1) * row) return p;
+    p.stages = (int)((cap - p.off_ring) / row);
     if (p.stages > kQkvMaxStages) p.stages = kQkvMaxStages;
-    p.smem = kQkvHeader + xb + (size_t)p.stages * row;
-    p.ctas = R < per_sm * sm_count() ? R : per_sm * sm_count();
-    p.per = R / p.ctas;
-    p.rem = R % p.ctas;
+    p.smem = p.off_ring + (size_t)p.stages * row;
+    p.ctas = ctas;
+    p.per = R / ctas;
+    p.rem = R % ctas;
     return p;
 }
 
@@ -197,49 +202,56 @@ __global__ void __launch_bounds__(32 * (1 + kQkvConsumers)) qkv_bulk_kernel(
     extern __shared__ __align__(128) unsigned char smem[];
     uint64_t* full = reinterpret_cast<uint64_t*>(smem);
     uint64_t* empty = full + kQkvMaxStages;
-    int* slot_kv = reinterpret_cast<int*>(smem + 512);
-    T* xs = reinterpret_cast<T*>(smem + kQkvHeader);
-    T* ring = reinterpret_cast<T*>(smem + kQkvHeader + align_up((size_t)NB * d * 2, 128));
+    int* s_hidx = reinterpret_cast<int*>(smem + 512);
+    int* slot_kv = s_hidx + kQkvMaxHeads;
+    int* rowtab = reinterpret_cast<int*>(smem + p.off_rows);  // matrix row of each of the CTA's items, -1: skip
+    T* xs = reinterpret_cast<T*>(smem + p.off_x);
+    T* ring = reinterpret_cast<T*>(smem + p.off_ring);
     pdl_launch_dependents();  // the attention kernel may start its KV-cache reads now
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int qr = Kh * hd, kr = nslots * hd, group = H / Hkv;
-    if (wid == 0) {
-        // KV slot s (active policy) -> the s-th distinct KV head in head_idx order; -1 when unused this step
+    const int j0 = blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
+    const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
+    const int S = p.stages;
+    // One round of global loads (head_idx, x) before the first copy can be issued.
+    for (int i = tid; i < Kh; i += blockDim.x) s_hidx[i] = __ldg(head_idx + i);
+    const int dv = d / 8;
+    for (int i = tid; i < NB * dv; i += blockDim.x) {
+        const int b = i / dv, c = (i % dv) * 8;
+        *reinterpret_cast<uint4*>(xs + (size_t)b * d + c) = b < B ? ld_keep(x + (size_t)b * d + c) : zero4();
+    }
+    if (tid == 0) {
+        for (int q = 0; q < S; ++q) { mbar_init(&full[q], 1); mbar_init(&empty[q], 1); }
+        fence_barrier_init();
+    }
+    __syncthreads();
+    if (wid == 0) {  // KV slot s (active policy) -> the s-th distinct KV head in head_idx order; -1 if unused
         int cnt = 0;
         for (int base = 0; base < Kh; base += 32) {
             const int q = base + lane;
-            const int kvh = q < Kh ? (int)__ldg(head_idx + q) / group : -1;
-            const bool flag = q < Kh && (q == 0 || (int)__ldg(head_idx + q - 1) / group != kvh);
+            const int kvh = q < Kh ? s_hidx[q] / group : -1;
+            const bool flag = q < Kh && (q == 0 || s_hidx[q - 1] / group != kvh);
             const unsigned bal = __ballot_sync(0xffffffffu, flag);
             const int before = cnt + __popc(bal & ((1u << lane) - 1u));
             if (flag && before < nslots) slot_kv[before] = kvh;
             cnt += __popc(bal);
         }
         for (int q = cnt + lane; q < nslots; q += 32) slot_kv[q] = -1;
-        if (lane == 0) {
-            for (int q = 0; q < p.stages; ++q) { mbar_init(&full[q], 1); mbar_init(&empty[q], 1); }
-            fence_barrier_init();
-        }
-    }
-    const int dv = d / 8;
-    for (int i = tid; i < NB * dv; i += blockDim.x) {
-        const int b = i / dv, c = (i % dv) * 8;
-        *reinterpret_cast<uint4*>(xs + (size_t)b * d + c) = b < B ? ld_keep(x + (size_t)b * d + c) : zero4();
     }
     __syncthreads();
-    const int j0 = blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
-    const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
-    const int S = p.stages;
-    auto row_of = [&](int item, const T*& bias) -> const T* {  // nullptr: a KV slot unused this step
+    for (int i = tid; i < n; i += blockDim.x) {
+        const int item = j0 + i;
         const int which = item < qr ? 0 : (item < qr + kr ? 1 : 2);
         const int m = item - (which == 0 ? 0 : (which == 1 ? qr : qr + kr));
         const int hs = m / hd;
-        const int head = which == 0 ? (int)__ldg(head_idx + hs) : (kv_policy == DJV_KV_DENSE ? hs : slot_kv[hs]);
-        if (head < 0) return nullptr;
-        const size_t row = (size_t)head * hd + m % hd;
-        const T* bb = which == 0 ? bq : (which == 1 ? bk : bv);
-        bias = bb ? bb + row : nullptr;
-        return (which == 0 ? wq : (which == 1 ? wk : wv)) + row * d;
+        const int head = which == 0 ? s_hidx[hs] : (kv_policy == DJV_KV_DENSE ? hs : slot_kv[hs]);
+        rowtab[i] = head < 0 ? -1 : head * hd + m % hd;
+    }
+    __syncthreads();
+    auto mat_of = [&](int item, const T*& bias) {
+        const int which = item < qr ? 0 : (item < qr + kr ? 1 : 2);
+        bias = which == 0 ? bq : (which == 1 ? bk : bv);
+        return which == 0 ? wq : (which == 1 ? wk : wv);
     };
     if (wid == 0) {  // producer
         if (lane == 0) {
@@ -248,10 +260,11 @@ __global__ void __launch_bounds__(32 * (1 + kQkvConsumers)) qkv_bulk_kernel(
                 const int s = j % S;
                 if (j >= S) mbar_wait(&empty[s], (unsigned)(j / S - 1) & 1u);
                 const T* bias;
-                const T* src = row_of(j0 + j, bias);
-                if (src) {
+                const T* w = mat_of(j0 + j, bias);
+                const int row = rowtab[j];
+                if (row >= 0) {
                     mbar_expect_tx(&full[s], (unsigned)d * 2u);
-                    bulk_load(ring + (size_t)s * d, src, (unsigned)d * 2u, &full[s], pol);
+                    bulk_load(ring + (size_t)s * d, w + (size_t)row * d, (unsigned)d * 2u, &full[s], pol);
                 } else {
                     mbar_arrive(&full[s]);
                 }
@@ -262,10 +275,11 @@ __global__ void __launch_bounds__(32 * (1 + kQkvConsumers)) qkv_bulk_kernel(
     for (int j = wid - 1; j < n; j += kQkvConsumers) {
         const int s = j % S;
         const T* bias = nullptr;
-        const T* src = row_of(j0 + j, bias);
-        const float bb = (src && bias) ? to_f(*bias) : 0.f;
+        mat_of(j0 + j, bias);
+        const int row = rowtab[j];
+        const float bb = (row >= 0 && bias) ? to_f(bias[row]) : 0.f;
         mbar_wait(&full[s], (unsigned)(j / S) & 1u);
-        if (src) {
+        if (row >= 0) {
             const T* w = ring + (size_t)s * d;
             float acc[NB] = {};
 #pragma unroll 4
@@ -562,7 +576,7 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
                                                   : (p.ksplit > 1 ? (size_t)p.tiles * p.ksplit * 256 : 0)) * 4, 256);
     p.off_pattn = o; o = align_up(o + (size_t)B * Kh * p.nsplit * GMAX * (hd + 2) * 4, 256);
     p.off_o = o; o = align_up(o + (size_t)16 * p.Mo * esize, 256);
-    p.qbulk = plan_qkv_bulk(B, d, p.R, p.nslots);
+    p.qbulk = plan_qkv_bulk(B, d, p.R, Kh, p.nslots);
     p.obulk = plan_bulk(B, d, p.Mo, 1);
     const size_t pdown = p.obulk.ctas > 0 ? (size_t)p.obulk.ctas * B * d : down_part_floats(B, d, p.Mo, p.Mo);
     p.off_pdown = o; o = align_up(o + pdown * 4, 256);
