@@ -1,14 +1,13 @@
-// djv_bulk_rows.cuh - sm_90 row GEMVs for batch <= 4 that stream whole weight rows through shared memory with
-// bulk copies (djv_bulk.cuh): the fused sparse MLP (up + activation + down in one pass) and, with
-// ACT = kActGiven, a down-only projection over given activations (the attention output projection).
+// djv_bulk_rows.cuh - the sm_90 fused sparse MLP for batch <= 4: whole neuron rows streamed through shared
+// memory with bulk copies (djv_bulk.cuh), up + activation + down in one pass.
+// (A bulk-copy QKV kernel and a down-only mode for the attention output projection were tried in session 3
+// and measured no faster than the djv_rows.cuh kernels at 31 MB / 10 MB, and slower at batch 4: removed.)
 #pragma once
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"
 
 namespace djv {
-
-constexpr int kActGiven = 100;  // internal: activations are an input, no up-side rows
 
 template <int ACT> __device__ __forceinline__ float activate(float u) {
     if (ACT == DJV_RELU) return fmaxf(u, 0.f);
@@ -76,15 +75,13 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     return p;
 }
 
-// ACT = kActGiven: no up side; the activations come in `x` as [B][Mpad] (x_stride = Mpad), for the attention
-// output projection over the selected heads' rows.
 template <typename T, int NB, int ACT, int VPT>
 __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_bulk_kernel(
     const T* __restrict__ x, int x_stride, const int32_t* __restrict__ idx, int bs, const T* __restrict__ w_gate,
     const T* __restrict__ w_up, const T* __restrict__ b_up, const T* __restrict__ w_down_t, float* __restrict__ part,
     int B, int d, BulkPlan p) {
 #ifdef DJV_BULK
-    constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : (ACT == kActGiven ? 0 : 1);  // up-side rows per neuron
+    constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : 1;  // up-side rows per neuron
     constexpr int NSEG = NMAT + 1;
     constexpr int NV = NMAT * NB;  // dot sums per neuron
     constexpr bool XF = NB * VPT <= 4;  // x unpacked to fp32 registers once; else unpacked per neuron
@@ -106,7 +103,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         T* dst = ring + (size_t)s * NSEG * d;
         mbar_expect_tx(&bars[s], NSEG * seg_bytes);
         if (NMAT == 2) bulk_load(dst, w_gate + row * d, seg_bytes, &bars[s], pol);
-        if (NMAT >= 1) bulk_load(dst + (size_t)(NMAT - 1) * d, w_up + row * d, seg_bytes, &bars[s], pol);
+        bulk_load(dst + (size_t)(NMAT - 1) * d, w_up + row * d, seg_bytes, &bars[s], pol);
         bulk_load(dst + (size_t)NMAT * d, w_down_t + row * d, seg_bytes, &bars[s], pol);
     };
     for (int i = tid; i < n; i += blockDim.x) rowtab[i] = expand_row(idx, j0 + i, bs);
@@ -126,7 +123,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         const int c = (v * blockDim.x + tid) * 8;
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
-            xr[b][v] = (NMAT > 0 && c < d && b < B) ? ld_keep(x + (size_t)b * x_stride + c) : zero4();
+            xr[b][v] = (c < d && b < B) ? ld_keep(x + (size_t)b * x_stride + c) : zero4();
             if (XF) unpack8<T>(xr[b][v], xf[XF ? b : 0][XF ? v : 0]);
         }
     }
@@ -135,12 +132,9 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     for (int j = 0; j < n; ++j) {
         const int s = j % p.stages;
         const float bias = (NMAT == 1 && b_up) ? to_f(b_up[rowtab[j]]) : 0.f;
-        float given[NB];  // kActGiven: this neuron's activations
-#pragma unroll
-        for (int b = 0; b < NB; ++b) given[b] = (NMAT == 0 && b < B) ? to_f(x[(size_t)b * x_stride + j0 + j]) : 0.f;
         mbar_wait(&bars[s], (unsigned)(j / p.stages) & 1u);
         const T* st = ring + (size_t)s * NSEG * d;
-        float dot[NMAT > 0 ? NMAT : 1][NB] = {};
+        float dot[NMAT][NB] = {};
 #pragma unroll
         for (int v = 0; v < VPT; ++v) {
             const int c = (v * blockDim.x + tid) * 8;
@@ -181,7 +175,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             const int w = lane & 7;
-            float g = (NMAT > 0 && w < nw) ? rb[w * NV + b] : 0.f;
+            float g = w < nw ? rb[w * NV + b] : 0.f;
             float u = (NMAT == 2 && w < nw) ? rb[w * NV + NB + b] : 0.f;
 #pragma unroll
             for (int o = 4; o > 0; o >>= 1) {
@@ -189,7 +183,6 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
                 if (NMAT == 2) u += __shfl_xor_sync(0xffffffffu, u, o);
             }
             if (ACT == DJV_SILU_GLU) a[b] = g / (1.f + __expf(-g)) * u;
-            else if (NMAT == 0) a[b] = given[b];
             else a[b] = activate<ACT>(g + bias);
         }
 #pragma unroll
@@ -230,7 +223,7 @@ cudaError_t run_bulk(const BulkPlan& bp, const T* x, int xs, const int32_t* idx,
     return launch_rows_reduce<T>(part, bd, y, B, d, bp.ctas, st);
 }
 
-// x_stride: d for the MLP (x [B][d]); Mpad for kActGiven (activations [B][Mpad]).
+// x_stride: the row stride of x (d for a packed [B][d]).
 template <typename T, int ACT>
 cudaError_t run_bulk_any(const BulkPlan& bp, const T* x, int xs, const int32_t* idx, int bs, const T* wg,
                          const T* wu, const T* bu, const T* wd, const T* bd, T* y, float* part, int B, int d,

@@ -8,11 +8,10 @@
 //     from the cache, so the extra "writer" CTAs that store the new K/V rows need no ordering with readers.
 //     The last split of each item merges the partial softmaxes in a fixed order.
 //  3. djv::launch_down: output projection over the selected heads' rows of w_o_t (+ b_o).
-//  On sm_90 at batch <= 4, steps 1 and 3 stream whole rows through shared memory with bulk copies instead:
-//  qkv_bulk_kernel, and the down-only mode of the fused MLP kernel (djv_bulk_rows.cuh).
 #include <math.h>
 #include "dejavu_kernels.h"
-#include "djv_bulk_rows.cuh"
+#include "djv_bulk.cuh"
+#include "djv_rows.cuh"
 
 namespace {
 using namespace djv;
@@ -159,152 +158,6 @@ __global__ void __launch_bounds__(kSkThreads, 2) qkv_rows_kernel(
             if (b < B) qkv[(size_t)b * R + item] = v[0][b] + bb;
     };
     streamk_rows<T, NB, 1>(x, B, d, part, ctr, sk, rows, epi);
-}
-
-// Batch <= 4 on sm_90: the same rows streamed through shared memory (djv_bulk.cuh). CTA c owns a contiguous
-// range of the R projection rows. Warp 0 (one lane) copies each row into a ring of one-row stages; consumer
-// warps 1..kQkvConsumers take rows round-robin and dot them with x (staged in shared memory). full[s]: the
-// row landed; empty[s]: its consumer is done with it. One warp per row: no CTA barrier in the loop.
-constexpr int kQkvConsumers = 4;
-constexpr int kQkvMaxStages = 16;
-constexpr int kQkvMaxHeads = 1024;  // head_idx and the KV slot map are staged in shared memory
-constexpr size_t kQkvHeader = 512 + 2 * 4 * kQkvMaxHeads;  // full/empty barriers, head_idx, KV slot map
-
-struct QkvBulkPlan { int stages, ctas, per, rem; size_t smem, off_rows, off_x, off_ring; };
-
-inline QkvBulkPlan plan_qkv_bulk(int B, int d, int R, int Kh, int nslots) {
-    QkvBulkPlan p{};
-    if (!use_rows(B) || !bulk_copy_supported() || Kh > kQkvMaxHeads || nslots > kQkvMaxHeads) return p;
-    const size_t row = (size_t)d * 2, xb = align_up((size_t)rows_nb(B) * d * 2, 128);
-    const int per_sm = 2 * (kQkvHeader + xb + 8 * row) <= 200 * 1024 ? 2 : 1;
-    const size_t cap = (size_t)smem_optin() < 200 * 1024 / per_sm ? (size_t)smem_optin() : 200 * 1024 / per_sm;
-    const int ctas = R < per_sm * sm_count() ? R : per_sm * sm_count();
-    p.off_rows = kQkvHeader;
-    p.off_x = p.off_rows + align_up((size_t)(R / ctas + 1) * 4, 128);
-    p.off_ring = p.off_x + xb;
-    if (cap < p.off_ring + (kQkvConsumers + 1) * row) return p;
-    p.stages = (int)((cap - p.off_ring) / row);
-    if (p.stages > kQkvMaxStages) p.stages = kQkvMaxStages;
-    p.smem = p.off_ring + (size_t)p.stages * row;
-    p.ctas = ctas;
-    p.per = R / ctas;
-    p.rem = R % ctas;
-    return p;
-}
-
-template <typename T, int NB>
-__global__ void __launch_bounds__(32 * (1 + kQkvConsumers)) qkv_bulk_kernel(
-    const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
-    int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
-    const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
-    int B, int d, QkvBulkPlan p) {
-#ifdef DJV_BULK
-    extern __shared__ __align__(128) unsigned char smem[];
-    uint64_t* full = reinterpret_cast<uint64_t*>(smem);
-    uint64_t* empty = full + kQkvMaxStages;
-    int* s_hidx = reinterpret_cast<int*>(smem + 512);
-    int* slot_kv = s_hidx + kQkvMaxHeads;
-    int* rowtab = reinterpret_cast<int*>(smem + p.off_rows);  // matrix row of each of the CTA's items, -1: skip
-    T* xs = reinterpret_cast<T*>(smem + p.off_x);
-    T* ring = reinterpret_cast<T*>(smem + p.off_ring);
-    pdl_launch_dependents();  // the attention kernel may start its KV-cache reads now
-    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    const int qr = Kh * hd, kr = nslots * hd, group = H / Hkv;
-    const int j0 = blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
-    const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
-    const int S = p.stages;
-    // One round of global loads (head_idx, x) before the first copy can be issued.
-    for (int i = tid; i < Kh; i += blockDim.x) s_hidx[i] = __ldg(head_idx + i);
-    const int dv = d / 8;
-    for (int i = tid; i < NB * dv; i += blockDim.x) {
-        const int b = i / dv, c = (i % dv) * 8;
-        *reinterpret_cast<uint4*>(xs + (size_t)b * d + c) = b < B ? ld_keep(x + (size_t)b * d + c) : zero4();
-    }
-    if (tid == 0) {
-        for (int q = 0; q < S; ++q) { mbar_init(&full[q], 1); mbar_init(&empty[q], 1); }
-        fence_barrier_init();
-    }
-    __syncthreads();
-    if (wid == 0) {  // KV slot s (active policy) -> the s-th distinct KV head in head_idx order; -1 if unused
-        int cnt = 0;
-        for (int base = 0; base < Kh; base += 32) {
-            const int q = base + lane;
-            const int kvh = q < Kh ? s_hidx[q] / group : -1;
-            const bool flag = q < Kh && (q == 0 || s_hidx[q - 1] / group != kvh);
-            const unsigned bal = __ballot_sync(0xffffffffu, flag);
-            const int before = cnt + __popc(bal & ((1u << lane) - 1u));
-            if (flag && before < nslots) slot_kv[before] = kvh;
-            cnt += __popc(bal);
-        }
-        for (int q = cnt + lane; q < nslots; q += 32) slot_kv[q] = -1;
-    }
-    __syncthreads();
-    for (int i = tid; i < n; i += blockDim.x) {
-        const int item = j0 + i;
-        const int which = item < qr ? 0 : (item < qr + kr ? 1 : 2);
-        const int m = item - (which == 0 ? 0 : (which == 1 ? qr : qr + kr));
-        const int hs = m / hd;
-        const int head = which == 0 ? s_hidx[hs] : (kv_policy == DJV_KV_DENSE ? hs : slot_kv[hs]);
-        rowtab[i] = head < 0 ? -1 : head * hd + m % hd;
-    }
-    __syncthreads();
-    auto mat_of = [&](int item, const T*& bias) {
-        const int which = item < qr ? 0 : (item < qr + kr ? 1 : 2);
-        bias = which == 0 ? bq : (which == 1 ? bk : bv);
-        return which == 0 ? wq : (which == 1 ? wk : wv);
-    };
-    if (wid == 0) {  // producer
-        if (lane == 0) {
-            const uint64_t pol = l2_evict_first_policy();
-            for (int j = 0; j < n; ++j) {
-                const int s = j % S;
-                if (j >= S) mbar_wait(&empty[s], (unsigned)(j / S - 1) & 1u);
-                const T* bias;
-                const T* w = mat_of(j0 + j, bias);
-                const int row = rowtab[j];
-                if (row >= 0) {
-                    mbar_expect_tx(&full[s], (unsigned)d * 2u);
-                    bulk_load(ring + (size_t)s * d, w + (size_t)row * d, (unsigned)d * 2u, &full[s], pol);
-                } else {
-                    mbar_arrive(&full[s]);
-                }
-            }
-        }
-        return;
-    }
-    for (int j = wid - 1; j < n; j += kQkvConsumers) {
-        const int s = j % S;
-        const T* bias = nullptr;
-        mat_of(j0 + j, bias);
-        const int row = rowtab[j];
-        const float bb = (row >= 0 && bias) ? to_f(bias[row]) : 0.f;
-        mbar_wait(&full[s], (unsigned)(j / S) & 1u);
-        if (row >= 0) {
-            const T* w = ring + (size_t)s * d;
-            float acc[NB] = {};
-#pragma unroll 4
-            for (int c = lane * 8; c < d; c += 256) {
-                float wf[8];
-                unpack8<T>(*reinterpret_cast<const uint4*>(w + c), wf);
-#pragma unroll
-                for (int b = 0; b < NB; ++b) {
-                    float xf[8];
-                    unpack8<T>(*reinterpret_cast<const uint4*>(xs + (size_t)b * d + c), xf);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[b] = fmaf(wf[e], xf[e], acc[b]);
-                }
-            }
-#pragma unroll
-            for (int b = 0; b < NB; ++b) {
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) acc[b] += __shfl_xor_sync(0xffffffffu, acc[b], o);
-                if (lane == 0 && b < B) qkv[(size_t)b * R + j0 + j] = acc[b] + bb;
-            }
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
-    }
-#endif
 }
 
 // GM: query heads held in registers per work item (1 when every KV head serves one query head, else GMAX).
@@ -545,8 +398,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
 struct AttnPlan {
     int nslots, R, tiles, proj_items, ksplit, L, nsplit, Mo;
     StreamK proj;  // batch <= 4
-    QkvBulkPlan qbulk;  // batch <= 4 on sm_90 (when qbulk.ctas > 0)
-    BulkPlan obulk;     // output projection, same condition
     size_t smem, off_qkv, off_pproj, off_pattn, off_o, off_pdown, total;
     int ctr_attn, ctr_down, ctr_total;
 };
@@ -576,10 +427,7 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
                                                   : (p.ksplit > 1 ? (size_t)p.tiles * p.ksplit * 256 : 0)) * 4, 256);
     p.off_pattn = o; o = align_up(o + (size_t)B * Kh * p.nsplit * GMAX * (hd + 2) * 4, 256);
     p.off_o = o; o = align_up(o + (size_t)16 * p.Mo * esize, 256);
-    p.qbulk = plan_qkv_bulk(B, d, p.R, Kh, p.nslots);
-    p.obulk = plan_bulk(B, d, p.Mo, 1);
-    const size_t pdown = p.obulk.ctas > 0 ? (size_t)p.obulk.ctas * B * d : down_part_floats(B, d, p.Mo, p.Mo);
-    p.off_pdown = o; o = align_up(o + pdown * 4, 256);
+    p.off_pdown = o; o = align_up(o + down_part_floats(B, d, p.Mo, p.Mo) * 4, 256);
     p.total = o;
     return p;
 }
@@ -630,26 +478,13 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
-#define DJV_QBULK(NB)                                                                                                  \
-    do {                                                                                                               \
-        cudaError_t e0 = cudaFuncSetAttribute(qkv_bulk_kernel<T, NB>, cudaFuncAttributeMaxDynamicSharedMemorySize,     \
-                                              (int)p.qbulk.smem);                                                      \
-        if (e0 != cudaSuccess) return (int)e0;                                                                         \
-        qkv_bulk_kernel<T, NB><<<p.qbulk.ctas, 32 * (1 + kQkvConsumers), p.qbulk.smem, st>>>(                          \
-            static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),              \
-            static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq),                           \
-            static_cast<const T*>(bk), static_cast<const T*>(bv), qkv, p.R, B, d, p.qbulk);                           \
-    } while (0)
     if (!use_rows(B)) {
         if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
-    } else if (p.qbulk.ctas > 0) {
-        if (rows_nb(B) == 1) DJV_QBULK(1); else if (rows_nb(B) == 2) DJV_QBULK(2); else DJV_QBULK(4);
     } else if (rows_nb(B) == 1) DJV_ROWS(1);
     else if (rows_nb(B) == 2) DJV_ROWS(2);
     else DJV_ROWS(4);
 #undef DJV_PROJ
 #undef DJV_ROWS
-#undef DJV_QBULK
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
@@ -666,10 +501,6 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
                                      Kh, Tlen, rotary, qscale, policy, st); break;
     }
     if (e != cudaSuccess) return (int)e;
-    if (p.obulk.ctas > 0)  // sm_90, batch <= 4: the selected heads' rows of w_o_t through shared memory
-        return (int)run_bulk_any<T, kActGiven>(p.obulk, o_act, p.Mo, hidx, hd, nullptr, nullptr, nullptr,
-                                               static_cast<const T*>(wo), static_cast<const T*>(bo),
-                                               static_cast<T*>(y), pdown, B, d, st);
     e = launch_down<T>(o_act, p.Mo, hidx, hd, p.Mo, static_cast<const T*>(wo), static_cast<const T*>(bo),
                        static_cast<T*>(y), pdown, ctr + p.ctr_down, B, d, st);
     return (int)e;
