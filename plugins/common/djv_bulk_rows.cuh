@@ -214,25 +214,23 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
 
 template <typename T, int NB, int ACT, int VPT>
 cudaError_t run_bulk(const BulkPlan& bp, const T* x, int xs, const int32_t* idx, int bs, const T* wg, const T* wu,
-                     const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, int B, int d,
-                     cudaStream_t st) {
+                     const T* bu, const T* wd, const T* bd, T* y, float* part, int B, int d, cudaStream_t st) {
     auto* k = mlp_bulk_kernel<T, NB, ACT, VPT>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
     k<<<bp.ctas, bp.threads, bp.smem, st>>>(x, xs, idx, bs, wg, wu, bu, wd, part, B, d, bp);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st);
+    return launch_rows_reduce<T>(part, bd, y, B, d, bp.ctas, st);
 }
 
 // x_stride: the row stride of x (d for a packed [B][d]).
 template <typename T, int ACT>
 cudaError_t run_bulk_any(const BulkPlan& bp, const T* x, int xs, const int32_t* idx, int bs, const T* wg,
-                         const T* wu, const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, int B,
-                         int d,
+                         const T* wu, const T* bu, const T* wd, const T* bd, T* y, float* part, int B, int d,
                          cudaStream_t st) {
 #define DJV_BULK_CASE(NB_, VPT_)                                                                     \
     if (rows_nb(B) == NB_ && bp.vpt == VPT_)                                                         \
-        return run_bulk<T, NB_, ACT, VPT_>(bp, x, xs, idx, bs, wg, wu, bu, wd, bd, res, y, part, B, d, st);
+        return run_bulk<T, NB_, ACT, VPT_>(bp, x, xs, idx, bs, wg, wu, bu, wd, bd, y, part, B, d, st);
     DJV_BULK_CASE(1, 1) DJV_BULK_CASE(1, 2) DJV_BULK_CASE(1, 4) DJV_BULK_CASE(1, 8)
     DJV_BULK_CASE(2, 1) DJV_BULK_CASE(2, 2) DJV_BULK_CASE(2, 4)
     DJV_BULK_CASE(4, 1) DJV_BULK_CASE(4, 2)
