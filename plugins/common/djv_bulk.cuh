@@ -14,11 +14,11 @@ namespace djv {
 
 // DJV_NO_BULK in the environment forces the portable kernels (djv_rows.cuh) on sm_90 too: the GPU tests run
 // once each way on the H200, so the A100 path stays tested, and the benchmark measures the difference.
+inline bool is_sm90_or_newer() { return device_attr<cudaDevAttrComputeCapabilityMajor>(0) >= 9; }
 inline bool bulk_copy_supported() {
     static const bool env_off = getenv("DJV_NO_BULK") != nullptr;
-    return !env_off && device_attr<cudaDevAttrComputeCapabilityMajor>(0) >= 9;
+    return !env_off && is_sm90_or_newer();
 }
-inline int smem_optin() { return device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024); }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define DJV_BULK 1
@@ -51,13 +51,6 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
 #ifdef DJV_BULK
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
-#endif
-}
-
-// Plain arrival (count 1, no bytes): a consumer releasing a stage, or a producer completing an empty phase.
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-#ifdef DJV_BULK
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 #endif
 }
 
@@ -110,7 +103,7 @@ __device__ __forceinline__ void pdl_wait_primary() {
 // launch below sm_90 or when DJV_NO_PDL is set in the environment (for ablations).
 inline bool pdl_enabled() {
     static const bool env_off = getenv("DJV_NO_PDL") != nullptr;
-    return !env_off && device_attr<cudaDevAttrComputeCapabilityMajor>(0) >= 9;
+    return !env_off && is_sm90_or_newer();
 }
 
 template <typename... KArgs, typename... Args>

@@ -357,6 +357,7 @@ inline int device_attr(int fallback) {
     return v;
 }
 inline int sm_count() { return device_attr<cudaDevAttrMultiProcessorCount>(132); }
+inline int smem_optin() { return device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024); }
 inline int resident_ctas() { return 2 * sm_count(); }
 inline int down_splits(int d, int Mpad) {
     const int slices = cdiv(d, 128), groups = Mpad / 16;

@@ -330,7 +330,7 @@ PredPlan plan_pred(int B, int d, int r_m, int Nb, int r_h, int H) {
     p.vec_a = (r_m % 8 == 0 && (r_h == 0 || r_h % 8 == 0)) ? 8 : 2;
     p.vec_b = (Nb % 8 == 0 && (H == 0 || H % 8 == 0)) ? 8 : 2;
     if (r_m % 2 || r_h % 2 || Nb % 2 || H % 2) p.vec_a = p.vec_b = 1;  // a row length is odd: element loads
-    const int optin = device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
+    const int optin = smem_optin();
     p.keys_smem = (size_t)p.nmax * 4 + 8192 <= (size_t)optin;
     size_t o = kCounterBytes;
     p.off_part = o; o = align_up(o + (size_t)2 * p.ncg * p.KS * kMaxB * kCG * 4, 256);
