@@ -47,10 +47,10 @@ def test_mlp_workspace_for_max_batch_serves_every_batch(lib, d, N, K, act):
     sizes = [lib.djv_sparse_mlp_workspace_size(b, d, N, K, 1, act) for b in range(1, 17)]
     assert sizes == sorted(sizes) and sizes[-1] == ws16
     for B in range(1, 17):
-        st = lib.djv_sparse_mlp(FAKE, FAKE, FAKE, FAKE, None, FAKE, None, FAKE, B, d, N, K, 1, act, 0, FAKE, ws16,
+        st = lib.djv_sparse_mlp(FAKE, FAKE, FAKE, FAKE, None, FAKE, None, None, FAKE, B, d, N, K, 1, act, 0, FAKE, ws16,
                                 None)
         assert st > 0, f"batch {B}: status {st} ({lib.djv_status_string(st).decode()}), expected a launch error"
-    st = lib.djv_sparse_mlp(FAKE, FAKE, FAKE, FAKE, None, FAKE, None, FAKE, 1, d, N, K, 1, act, 0, FAKE, 4096, None)
+    st = lib.djv_sparse_mlp(FAKE, FAKE, FAKE, FAKE, None, FAKE, None, None, FAKE, 1, d, N, K, 1, act, 0, FAKE, 4096, None)
     assert st == DJV_E_WORKSPACE  # and a workspace that is too small is refused before any launch
 
 
@@ -60,7 +60,7 @@ def test_attention_workspace_for_max_batch_serves_every_batch(lib, kv_policy):
     ws16 = lib.djv_head_attention_workspace_size(16, d, H, Hkv, hd, Kh, T, kv_policy)
     for B in range(1, 17):
         st = lib.djv_head_sparse_attention(FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, None, None, None, None, FAKE,
-                                           FAKE, FAKE, FAKE, FAKE, B, d, H, Hkv, hd, Kh, T, 1, 0.088, kv_policy, 0,
+                                           FAKE, FAKE, FAKE, None, FAKE, B, d, H, Hkv, hd, Kh, T, 1, 0.088, kv_policy, 0,
                                            FAKE, ws16, None)
         assert st > 0, f"batch {B}: status {st} ({lib.djv_status_string(st).decode()})"
 

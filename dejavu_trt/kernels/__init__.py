@@ -47,6 +47,7 @@ _REPO = Path(__file__).resolve().parents[2]
 _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
+ABI_VERSION = 2  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
 
@@ -91,13 +92,14 @@ def open_library(path: str | Path) -> ctypes.CDLL:
     lib.djv_sparse_mlp_workspace_size.restype = Z
     lib.djv_sparse_mlp_workspace_size.argtypes = [I] * 6
     lib.djv_sparse_mlp.restype = I
-    lib.djv_sparse_mlp.argtypes = [P] * 8 + [I] * 7 + [P, Z, P]
+    lib.djv_sparse_mlp.argtypes = [P] * 9 + [I] * 7 + [P, Z, P]
     lib.djv_head_attention_workspace_size.restype = Z
     lib.djv_head_attention_workspace_size.argtypes = [I] * 8
     lib.djv_head_sparse_attention.restype = I
-    lib.djv_head_sparse_attention.argtypes = [P] * 16 + [I] * 8 + [F, I, I, P, Z, P]
-    if lib.djv_abi_version() != 1:
-        raise KernelsUnavailable(f"{path}: C ABI version {lib.djv_abi_version()}, expected 1")
+    lib.djv_head_sparse_attention.argtypes = [P] * 17 + [I] * 8 + [F, I, I, P, Z, P]
+    if lib.djv_abi_version() != ABI_VERSION:
+        raise KernelsUnavailable(f"{path}: C ABI version {lib.djv_abi_version()}, expected {ABI_VERSION}; rebuild it "
+                                 "with `python -m dejavu_trt.kernels.build`")
     return lib
 
 
@@ -193,7 +195,8 @@ def predictor(h, mlp_a, mlp_b, head_a=None, head_b=None, *, kept_units: int, kep
 
 
 def sparse_mlp(x, idx, *, activation: str, block_size: int = 1, w_up, w_down_t, w_gate=None, b_up=None,
-               b_down=None, out=None, workspace=None):
+               b_down=None, residual=None, out=None, workspace=None):
+    """y = MLP(x) over the active blocks idx, plus `residual` when given (fp32 sum, one rounding)."""
     import torch
     lib = load_library()
     B, d = x.shape
@@ -204,7 +207,7 @@ def sparse_mlp(x, idx, *, activation: str, block_size: int = 1, w_up, w_down_t, 
     ws = _workspace("sparse_mlp", lib.djv_sparse_mlp_workspace_size(B, d, N, K, block_size, act), x.device,
                     workspace)
     st = lib.djv_sparse_mlp(_ptr(x), _ptr(idx), _ptr(w_gate), _ptr(w_up), _ptr(b_up), _ptr(w_down_t),
-                            _ptr(b_down), _ptr(y), B, d, N, K, block_size, act, _dtype_code(x), _ptr(ws),
+                            _ptr(b_down), _ptr(residual), _ptr(y), B, d, N, K, block_size, act, _dtype_code(x), _ptr(ws),
                             ws.numel(), _stream())
     _check(st, "sparse_mlp")
     return y
@@ -212,7 +215,7 @@ def sparse_mlp(x, idx, *, activation: str, block_size: int = 1, w_up, w_down_t, 
 
 def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos, rope_sin,
                           k_cache, v_cache, *, num_heads: int, num_kv_heads: int, head_dim: int, rotary: int,
-                          scale: float, kv_policy: str = "dense", out=None, workspace=None):
+                          scale: float, kv_policy: str = "dense", residual=None, out=None, workspace=None):
     import torch
     lib = load_library()
     B, d = x.shape
@@ -225,7 +228,7 @@ def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k,
     st = lib.djv_head_sparse_attention(
         _ptr(x), _ptr(head_idx), _ptr(position), _ptr(w_q), _ptr(w_k), _ptr(w_v), _ptr(w_o_t), _ptr(b_q),
         _ptr(b_k), _ptr(b_v), _ptr(b_o), _ptr(rope_cos) if rotary else None, _ptr(rope_sin) if rotary else None,
-        _ptr(k_cache), _ptr(v_cache), _ptr(y), B, d, num_heads, num_kv_heads, head_dim, Kh, T, int(rotary),
+        _ptr(k_cache), _ptr(v_cache), _ptr(residual), _ptr(y), B, d, num_heads, num_kv_heads, head_dim, Kh, T, int(rotary),
         float(scale), pol, _dtype_code(x), _ptr(ws), ws.numel(), _stream())
     _check(st, "head_sparse_attention")
     return y, k_cache, v_cache

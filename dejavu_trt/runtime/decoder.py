@@ -175,22 +175,20 @@ class Decoder:
                 torch.cuda.current_stream().wait_event(events[i])
             x = self.norm(h, "attn_norm", lw)
             scale = self.w.config.attention_scale[i]
-            if sparse:
+            if sparse:  # h + op(x): the kernels fuse the residual add (a new tensor: the side stream reads h)
                 mlp_idx, head_idx = idx[i]
-                y = self.ops.attention(x, head_idx, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale,
-                                       rope=rope, kv_policy=self.kv_policy, ctx=ctx)
+                h = self.ops.attention_residual(h, x, head_idx, position, lw, k_caches[i], v_caches[i], dims=d,
+                                                scale=scale, rope=rope, kv_policy=self.kv_policy, ctx=ctx)
             else:
-                y = self.ops.dense_attention(x, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale, rope=rope,
-                                             ctx=ctx)
-            h = h + y
+                h = h + self.ops.dense_attention(x, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale,
+                                                 rope=rope, ctx=ctx)
             x = self.norm(h, "mlp_norm", lw)
             if sparse:
                 if self.record is not None:
                     self.record.append((i, x, mlp_idx))
-                y = self.ops.mlp(x, mlp_idx, lw, d.activation, self.block)
+                h = self.ops.mlp_residual(h, x, mlp_idx, lw, d.activation, self.block)
             else:
-                y = self.ops.dense_mlp(x, lw, d.activation, self.block)
-            h = h + y
+                h = h + self.ops.dense_mlp(x, lw, d.activation, self.block)
             inputs.append(h)
         return self.logits(h)
 

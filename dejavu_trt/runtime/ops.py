@@ -56,6 +56,14 @@ class ReferenceOps:
     def step_context(self, position, T, rope):
         return None
 
+    # Residual forms, h + op(x): the kernels fuse the add into their final pass (one rounding, two fewer
+    # launches per layer); the torch paths add afterwards.
+    def mlp_residual(self, h, x, idx, lw: LayerWeights, activation: str, block_size: int):
+        return h + self.mlp(x, idx, lw, activation, block_size)
+
+    def attention_residual(self, h, x, head_idx, position, lw: LayerWeights, k_cache, v_cache, **kw):
+        return h + self.attention(x, head_idx, position, lw, k_cache, v_cache, **kw)
+
     def attention(self, x, head_idx, position, lw: LayerWeights, k_cache, v_cache, *, dims, scale, rope,
                   kv_policy: str, ctx=None):
         cos, sin = rope if rope is not None else (torch.zeros(1), torch.zeros(1))
@@ -186,9 +194,16 @@ class KernelOps(TorchOps):
         return self.k.predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units=kept_units,
                                 kept_heads=kept_heads)
 
-    def mlp(self, x, idx, lw, activation, block_size):
+    def mlp(self, x, idx, lw, activation, block_size, residual=None):
         return self.k.sparse_mlp(x, idx, activation=activation, block_size=block_size, w_up=lw.w_up,
-                                 w_down_t=lw.w_down_t, w_gate=lw.w_gate, b_up=lw.b_up, b_down=lw.b_down)
+                                 w_down_t=lw.w_down_t, w_gate=lw.w_gate, b_up=lw.b_up, b_down=lw.b_down,
+                                 residual=residual)
+
+    def mlp_residual(self, h, x, idx, lw, activation, block_size):
+        return self.mlp(x, idx, lw, activation, block_size, residual=h)
+
+    def attention_residual(self, h, x, head_idx, position, lw, k_cache, v_cache, **kw):
+        return self.attention(x, head_idx, position, lw, k_cache, v_cache, residual=h, **kw)
 
     def _rope_in(self, rope, dtype):
         """The kernels take every floating tensor in the activation dtype: cast the tables once."""
@@ -199,12 +214,13 @@ class KernelOps(TorchOps):
             self._rope[key] = (rope[0].to(dtype).contiguous(), rope[1].to(dtype).contiguous())
         return self._rope[key]
 
-    def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy, ctx=None):
+    def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy, ctx=None,
+                  residual=None):
         cos, sin = self._rope_in(rope, x.dtype)
         y, _, _ = self.k.head_sparse_attention(
             x, head_idx, position, lw.w_q, lw.w_k, lw.w_v, lw.w_o_t, lw.b_q, lw.b_k, lw.b_v, lw.b_o, cos, sin,
             k_cache, v_cache, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
-            rotary=int(rope is not None), scale=scale, kv_policy=kv_policy)
+            rotary=int(rope is not None), scale=scale, kv_policy=kv_policy, residual=residual)
         return y
 
 

@@ -200,7 +200,7 @@ __device__ __forceinline__ uint32_t word_of(const uint4& u, int w) {
 template <typename T>
 __global__ void __launch_bounds__(256) down_kernel(const T* __restrict__ act, int Mpad, const int32_t* __restrict__ idx,
                                                   int bs, int M, const T* __restrict__ w, const T* __restrict__ bias,
-                                                  T* __restrict__ y, float* __restrict__ part,
+                                                  const T* residual, T* y, float* __restrict__ part,
                                                   unsigned* __restrict__ ctr, int B, int d, int S) {
     extern __shared__ float red[];  // [nw][B][128]
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, wid = threadIdx.x >> 5;
@@ -266,7 +266,9 @@ __global__ void __launch_bounds__(256) down_kernel(const T* __restrict__ act, in
         float s = 0.f;
         for (int k = 0; k < nw; ++k) s += red[((size_t)k * B + b) * 128 + cc];
         if (col < d) {
-            if (S == 1) y[(size_t)b * d + col] = from_f<T>(s + (bias ? to_f(bias[col]) : 0.f));
+            if (S == 1)
+                y[(size_t)b * d + col] = from_f<T>(s + (bias ? to_f(bias[col]) : 0.f) +
+                                                   (residual ? to_f(residual[(size_t)b * d + col]) : 0.f));
             else part[((size_t)blockIdx.y * B + b) * d + col] = s;
         }
     }
@@ -277,7 +279,8 @@ __global__ void __launch_bounds__(256) down_kernel(const T* __restrict__ act, in
         if (col >= d) continue;
         float s = 0.f;
         for (int k = 0; k < S; ++k) s += __ldcg(part + ((size_t)k * B + b) * d + col);
-        y[(size_t)b * d + col] = from_f<T>(s + (bias ? to_f(bias[col]) : 0.f));
+        y[(size_t)b * d + col] = from_f<T>(s + (bias ? to_f(bias[col]) : 0.f) +
+                                           (residual ? to_f(residual[(size_t)b * d + col]) : 0.f));
     }
 }
 
@@ -388,7 +391,7 @@ inline size_t down_smem(int B) { return (size_t)(kDownThreads / 32) * B * 128 * 
 
 template <typename T>
 inline cudaError_t launch_down_mma(const T* act, int Mpad, const int32_t* idx, int bs, int M, const T* w, const T* bias,
-                               T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
+                               const T* residual, T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
     const int S = down_splits(d, Mpad);
     const size_t smem = down_smem(B);
     // Set on every launch: each translation unit holds its own copy of this kernel (no -rdc), so a
@@ -396,7 +399,7 @@ inline cudaError_t launch_down_mma(const T* act, int Mpad, const int32_t* idx, i
     cudaError_t e = cudaFuncSetAttribute(down_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024);
     if (e != cudaSuccess) return e;
     dim3 grid(cdiv(d, 128), S);
-    down_kernel<T><<<grid, kDownThreads, smem, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, ctr, B, d, S);
+    down_kernel<T><<<grid, kDownThreads, smem, st>>>(act, Mpad, idx, bs, M, w, bias, residual, y, part, ctr, B, d, S);
     return cudaGetLastError();
 }
 

@@ -133,8 +133,8 @@ template <typename T, int NB>
 __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __restrict__ act, int Mpad,
                                                                   const int32_t* __restrict__ idx, int bs, int M,
                                                                   const T* __restrict__ w, const T* __restrict__ bias,
-                                                                  T* __restrict__ y, float* __restrict__ part, int B,
-                                                                  int d, RowsDownPlan p) {
+                                                                  const T* residual, T* y, float* __restrict__ part,
+                                                                  int B, int d, RowsDownPlan p) {
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
     const int lane = threadIdx.x & 31;
     const int gw = blockIdx.x * (kSkThreads / 32) + (threadIdx.x >> 5);
@@ -172,6 +172,12 @@ __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __res
     for (int b = 0; b < NB; ++b) {
         if (b >= B) break;
         if (p.C == 1) {  // one chunk: no reduction pass
+            if (residual) {
+                float r[8];
+                unpack8<T>(*reinterpret_cast<const uint4*>(residual + (size_t)b * d + col), r);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[b][e] += r[e];
+            }
             uint4 o;
             o.x = pack2<T>(acc[b][0] + (bias ? to_f(bias[col + 0]) : 0.f), acc[b][1] + (bias ? to_f(bias[col + 1]) : 0.f));
             o.y = pack2<T>(acc[b][2] + (bias ? to_f(bias[col + 2]) : 0.f), acc[b][3] + (bias ? to_f(bias[col + 3]) : 0.f));
@@ -191,7 +197,7 @@ __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __res
 constexpr int kReduceLanes = 16;
 template <typename T>
 __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
-                                                          T* __restrict__ y, int B, int d, int C) {
+                                                          const T* residual, T* y, int B, int d, int C) {
     __shared__ float4 red[kReduceLanes][16];
     pdl_wait_primary();  // launched early (launch_rows_reduce): the partials come from the kernel before
     const int cl = threadIdx.x & 15, kl = threadIdx.x >> 4;
@@ -215,6 +221,10 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
     }
     const int col = c4 * 4;
     if (bias) { t.x += to_f(bias[col]); t.y += to_f(bias[col + 1]); t.z += to_f(bias[col + 2]); t.w += to_f(bias[col + 3]); }
+    if (residual) {  // y = residual + projection, one rounding (residual may be y itself: read before write)
+        const T* r = residual + (size_t)b * d + col;
+        t.x += to_f(r[0]); t.y += to_f(r[1]); t.z += to_f(r[2]); t.w += to_f(r[3]);
+    }
     uint2 o;
     o.x = pack2<T>(t.x, t.y);
     o.y = pack2<T>(t.z, t.w);
@@ -222,8 +232,9 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
 }
 
 template <typename T>
-inline cudaError_t launch_rows_reduce(const float* part, const T* bias, T* y, int B, int d, int C, cudaStream_t st) {
-    return launch_pdl(rows_reduce_kernel<T>, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, y, B, d, C);
+inline cudaError_t launch_rows_reduce(const float* part, const T* bias, const T* residual, T* y, int B, int d, int C,
+                                      cudaStream_t st) {
+    return launch_pdl(rows_reduce_kernel<T>, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, B, d, C);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -239,16 +250,16 @@ inline size_t down_part_floats(int B, int d, int M, int Mpad) {
 // and entries m < M only.
 template <typename T>
 inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int bs, int M, const T* w, const T* bias,
-                               T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
-    if (!use_rows(B)) return launch_down_mma<T>(act, Mpad, idx, bs, M, w, bias, y, part, ctr, B, d, st);
+                               const T* residual, T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
+    if (!use_rows(B)) return launch_down_mma<T>(act, Mpad, idx, bs, M, w, bias, residual, y, part, ctr, B, d, st);
     const RowsDownPlan p = plan_rows_down(d, M);
     const int ctas = cdiv(p.C * p.S, kSkThreads / 32);
     switch (rows_nb(B)) {
-    case 1: rows_down_kernel<T, 1><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
-    case 2: rows_down_kernel<T, 2><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
-    default: rows_down_kernel<T, 4><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, y, part, B, d, p); break;
+    case 1: rows_down_kernel<T, 1><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, residual, y, part, B, d, p); break;
+    case 2: rows_down_kernel<T, 2><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, residual, y, part, B, d, p); break;
+    default: rows_down_kernel<T, 4><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, residual, y, part, B, d, p); break;
     }
-    if (p.C > 1) return launch_rows_reduce<T>(part, bias, y, B, d, p.C, st);
+    if (p.C > 1) return launch_rows_reduce<T>(part, bias, residual, y, B, d, p.C, st);
     return cudaGetLastError();
 }
 

@@ -92,6 +92,31 @@ def test_sparse_mlp_workspace_for_max_batch_serves_every_batch():
         assert torch.equal(y, kernels.sparse_mlp(x, idx, activation="relu", **p)), B
 
 
+@pytest.mark.parametrize("alias", [False, True], ids=["out", "in-place"])
+@pytest.mark.parametrize("B,d,N,K", [
+    (1, 5120, 4096, 1024),  # sm_90 fused kernel + reduce
+    (2, 576, 1536, 5),      # few rows: the portable down kernel writes y directly (one chunk)
+    (3, 520, 300, 77),
+    (16, 200, 37, 3),       # tensor-core down kernel, one split
+    (16, 1032, 1000, 333),  # tensor-core down kernel, split reduction
+])
+def test_sparse_mlp_residual(B, d, N, K, alias):
+    """y = residual + MLP(x), the add fused into the last pass; residual may be the output buffer itself."""
+    dtype = torch.float16
+    x, p = make_mlp(B, d, N, "relu", dtype)
+    idx = rand_idx(N, K)
+    h = rand(B, d, dtype=dtype)
+    want = h.double() + ref.sparse_mlp(x.double(), idx, activation="relu", **{k: d64(v) for k, v in p.items()})
+    if alias:
+        y = h.clone()
+        kernels.sparse_mlp(x, idx, activation="relu", residual=y, out=y, **p)
+    else:
+        y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+        kernels.sparse_mlp(x, idx, activation="relu", residual=h, out=y, **p)
+    assert torch.isfinite(y).all()
+    assert relerr(y, want) < TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("activation", ["relu", "silu_glu"])
 def test_sparse_mlp_all_active_equals_dense(activation, dtype):
@@ -197,6 +222,23 @@ def test_head_sparse_attention(B, H, Hkv, hd, d, T, Kh, rotary, kv_policy, dtype
     assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
     assert relerr(y, want_y) < TOL[dtype]
     check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype)
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["out", "in-place"])
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_attention_residual(B, alias):
+    """y = residual + attention output (fused into the output projection's last pass)."""
+    H, Hkv, hd, d, T, Kh, dtype = 16, 4, 64, 264, 70, 5, torch.float16
+    x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
+    hidx = rand_idx(H, Kh)
+    pos = torch.randint(0, T, (B,), device="cuda", dtype=torch.int32)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
+    want_y, _, _ = attn_ref(x, hidx, pos, w, kc, vc, **kw)
+    h = rand(B, d, dtype=dtype)
+    y = h.clone() if alias else torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+    kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y, residual=y if alias else h, **kw)
+    assert torch.isfinite(y).all()
+    assert relerr(y, want_y + h.double()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("B", [1, 4])
