@@ -173,6 +173,39 @@ def bench_opt13b(args) -> list[dict]:
     return rows
 
 
+def profile_step(args) -> list[dict]:
+    """Per-kernel device time of eager sparse decode steps (torch.profiler), summed per step: shows which
+    launches the critical path is made of. Eager, so launch gaps are not representative; durations are."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dejavu_trt.runtime.executor import Executor
+    model = random_opt(args.layers)
+    steps = 4
+    T = args.prompt_len + 2 * steps + 8
+    w = weights_from_hf(model, 0.25, 0.2, max_context=T, kv_policy="active")
+    del model
+    ex = Executor(w, dense=False, ops=args.ops, batch=1, max_context=T, side_stream=True, cuda_graph=False)
+    ex.prefill(torch.randint(0, w.dims.vocab_size, (1, args.prompt_len)))
+    for _ in range(steps):
+        ex.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            ex.step()
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            agg.setdefault(e.name[:90], []).append(e.device_time)
+    rows = [{"kernel": k, "calls_per_step": len(v) / steps, "us_per_call": round(sum(v) / len(v), 2),
+             "us_per_step": round(sum(v) / steps, 1)} for k, v in agg.items()]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    log(f"per-kernel device time, eager sparse decode (kv active, B=1, {args.layers} layers), mean of {steps} steps")
+    for r in rows[:25]:
+        log(f"{r['us_per_step']:9.1f} us/step {r['calls_per_step']:6.1f} calls {r['us_per_call']:8.2f} us  {r['kernel']}")
+    return rows
+
+
 def bench_engine_dir(args) -> dict:
     from dejavu_trt.runtime.bench import bench_engine
     from dejavu_trt.runtime.engine import Engine
@@ -195,6 +228,8 @@ def main(argv=None):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--hf-batches", type=int, nargs="*", default=[1, 4, 16])
     p.add_argument("--hf-tokens", type=int, default=32)
+    p.add_argument("--profile-step", action="store_true",
+                   help="per-kernel device times of eager OPT-13B-shape sparse decode steps (torch.profiler)")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -204,6 +239,8 @@ def main(argv=None):
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.engine:
         out["engine"] = bench_engine_dir(args)
+    if args.profile_step:
+        out["profile_step"] = profile_step(args)
     if args.opt13b:
         out["opt13b"] = bench_opt13b(args)
     if args.json_out:
