@@ -93,6 +93,26 @@ def row(name, r, copy_bw):
             "copy_gb_s": round(copy_bw, 1) if copy_bw else None}
 
 
+def fixed_index_ops():
+    """Kernel ops whose predictor returns the indices of its first call per layer, launching nothing after:
+    the step time without any prediction work, to measure what the predictor costs the step."""
+    from dejavu_trt.runtime.ops import KernelOps
+
+    class FixedIndexOps(KernelOps):
+        name = "kernels, fixed indices (no predictor)"
+
+        def __init__(self):
+            super().__init__()
+            self.cache = {}
+
+        def predictor(self, h, lw, kept_units, kept_heads):
+            key = id(lw)
+            if key not in self.cache:
+                self.cache[key] = super().predictor(h, lw, kept_units, kept_heads)
+            return self.cache[key]
+    return FixedIndexOps()
+
+
 def predictor_only(w, ops: str, reps: int = 20) -> dict:
     """Time the 40 predictor calls of one decode step alone (CUDA graph), to see if the side stream keeps up."""
     from dejavu_trt.runtime.ops import make_ops
@@ -150,6 +170,9 @@ def bench_opt13b(args) -> list[dict]:
         measure("sparse 25%/20%, kv dense", w_dense_kv, dense=False, batch=b, ops=args.ops)
         measure("sparse 25%/20%, kv active", w_active, dense=False, batch=b, ops=args.ops)
     measure("ablation: sparse kv active, same stream", w_active, dense=False, batch=1, ops=args.ops, side_stream=False)
+    if args.ops != "torch":
+        measure("ablation: sparse kv active, fixed indices (no predictor)", w_active, dense=False, batch=1,
+                ops=fixed_index_ops())
     measure("ablation: sparse kv active, no CUDA graph", w_active, dense=False, batch=1, ops=args.ops, cuda_graph=False)
     measure("ablation: dense, no CUDA graph", w_dense_kv, dense=True, batch=1, cuda_graph=False)
     if args.ops != "torch":

@@ -83,3 +83,16 @@ def test_predictor_rejects_bad_shapes(lib, B, Nb, K, H, Kh):
     st = lib.djv_lookahead_predictor(FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, None, B, 64, 8, Nb, K, 8, H, Kh,
                                      1e-5, 0, FAKE, ws, None)
     assert st == DJV_E_SHAPE
+
+
+@pytest.mark.parametrize("rows,d,kind,bias,want", [
+    (1, 5120, 0, FAKE, "launch"), (16, 576, 1, None, "launch"), (1, 16384, 0, None, "launch"),
+    (1, 12, 0, None, DJV_E_SHAPE), (1, 16392, 1, None, DJV_E_SHAPE), (0, 64, 0, None, DJV_E_SHAPE),
+    (1, 64, 2, None, -2), (1, 64, 1, FAKE, -4),  # unknown kind; RMSNorm has no bias
+])
+def test_norm_argument_checks(lib, rows, d, kind, bias, want):
+    st = lib.djv_norm(FAKE, FAKE, bias, FAKE, rows, d, kind, 1e-5, 0, None)
+    if want == "launch":
+        assert st > 0, f"status {st} ({lib.djv_status_string(st).decode()}), expected a launch error"
+    else:
+        assert st == want

@@ -28,6 +28,10 @@ Functions (fp16 or bf16 tensors, contiguous, on one CUDA device; index tensors i
     DejaVuHeadSparseAttention; the caches [B,Hkv,T,hd] are updated IN PLACE and returned (the
     reference returns updated copies). Biases may be None (zero); rope tables may be None if rotary=0.
 
+``norm(x, weight, bias=None, *, kind, eps, out=None) -> y``
+    Row LayerNorm ("layernorm") or HF-style RMSNorm ("rmsnorm") over the last dimension, for the
+    executor (torch's kernel is slow for one short row); ``out`` may be ``x``.
+
 Limits (checked, ValueError otherwise): 1 <= B <= 16; d % 8 == 0; head_dim in {64, 128, 256};
 predictor ranks <= 2048. ``*_workspace_size`` give the byte counts.
 """
@@ -39,7 +43,7 @@ from pathlib import Path
 
 __all__ = [
     "available", "load_library", "open_library", "library_path", "KernelsUnavailable",
-    "predictor", "sparse_mlp", "head_sparse_attention",
+    "predictor", "sparse_mlp", "head_sparse_attention", "norm",
     "predictor_workspace_size", "sparse_mlp_workspace_size", "head_attention_workspace_size",
 ]
 
@@ -47,7 +51,8 @@ _REPO = Path(__file__).resolve().parents[2]
 _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
-ABI_VERSION = 2  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
+_NORM = {"layernorm": 0, "rmsnorm": 1}
+ABI_VERSION = 3  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
 
@@ -97,6 +102,8 @@ def open_library(path: str | Path) -> ctypes.CDLL:
     lib.djv_head_attention_workspace_size.argtypes = [I] * 8
     lib.djv_head_sparse_attention.restype = I
     lib.djv_head_sparse_attention.argtypes = [P] * 17 + [I] * 8 + [F, I, I, P, Z, P]
+    lib.djv_norm.restype = I
+    lib.djv_norm.argtypes = [P] * 4 + [I] * 3 + [F, I, P]
     if lib.djv_abi_version() != ABI_VERSION:
         raise KernelsUnavailable(f"{path}: C ABI version {lib.djv_abi_version()}, expected {ABI_VERSION}; rebuild it "
                                  "with `python -m dejavu_trt.kernels.build`")
@@ -232,3 +239,15 @@ def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k,
         float(scale), pol, _dtype_code(x), _ptr(ws), ws.numel(), _stream())
     _check(st, "head_sparse_attention")
     return y, k_cache, v_cache
+
+
+def norm(x, weight, bias=None, *, kind: str, eps: float, out=None):
+    """LayerNorm / RMSNorm over the last dimension of x (any leading shape, contiguous)."""
+    import torch
+    lib = load_library()
+    d = x.shape[-1]
+    rows = x.numel() // d
+    y = torch.empty_like(x) if out is None else out
+    st = lib.djv_norm(_ptr(x), _ptr(weight), _ptr(bias), _ptr(y), rows, d, _NORM[kind], eps, _dtype_code(x), _stream())
+    _check(st, "norm")
+    return y

@@ -85,13 +85,6 @@ class DecoderWeights:
         return cls.from_tensors(pkg.config, pkg.weights, pkg.predictors, device, dtype, max_context)
 
 
-def _norm(x, weight, bias, kind: str, eps: float):
-    if kind == "rmsnorm":  # as HF LlamaRMSNorm: normalise in fp32, scale in the input dtype
-        xf = x.float()
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-
-
 class Decoder:
     """Prefill and decode-step functions over DecoderWeights with one op backend."""
 
@@ -116,8 +109,8 @@ class Decoder:
     def norm(self, x, which: str, lw: LayerWeights | None = None):
         d = self.dims
         if which == "final":
-            return _norm(x, self.w.final_norm[0], self.w.final_norm[1], d.norm, d.norm_eps)
-        return _norm(x, lw[f"{which}.weight"], lw[f"{which}.bias"], d.norm, d.norm_eps)
+            return self.ops.norm(x, self.w.final_norm[0], self.w.final_norm[1], d.norm, d.norm_eps)
+        return self.ops.norm(x, lw[f"{which}.weight"], lw[f"{which}.bias"], d.norm, d.norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(h, "final"), self.w.lm_head).float()

@@ -41,10 +41,20 @@ class LayerWeights(dict):
         return self.get(name)
 
 
+def torch_norm(x, weight, bias, kind: str, eps: float):
+    if kind == "rmsnorm":  # as HF LlamaRMSNorm: normalise in fp32, scale in the input dtype
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 class ReferenceOps:
     """The op contract's torch reference (functional caches are copied back in place)."""
 
     name = "reference"
+
+    def norm(self, x, weight, bias, kind: str, eps: float):
+        return torch_norm(x, weight, bias, kind, eps)
 
     def predictor(self, h, lw: LayerWeights, kept_units: int, kept_heads: int):
         return ref.lookahead_predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units, kept_heads)
@@ -188,6 +198,13 @@ class KernelOps(TorchOps):
         if torch_predictor:
             self.name = "kernels+torch-predictor"
 
+    def norm(self, x, weight, bias, kind, eps):
+        d = x.shape[-1]
+        if x.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 16384 and x.is_contiguous() \
+                and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+            return self.k.norm(x, weight, bias, kind=kind, eps=eps)
+        return torch_norm(x, weight, bias, kind, eps)
+
     def predictor(self, h, lw, kept_units, kept_heads):
         if self.torch_predictor:
             return TorchOps.predictor(self, h, lw, kept_units, kept_heads)
@@ -224,8 +241,11 @@ class KernelOps(TorchOps):
         return y
 
 
-def make_ops(name: str):
-    """'reference' | 'torch' | 'kernels' | 'auto' (kernels when the library loads, else torch)."""
+def make_ops(name):
+    """'reference' | 'torch' | 'kernels' | 'auto' (kernels when the library loads, else torch), or an op
+    backend object, returned as is (benchmarks pass instrumented backends)."""
+    if not isinstance(name, str):
+        return name
     if name == "reference":
         return ReferenceOps()
     if name == "torch":

@@ -31,11 +31,12 @@ extern "C" {
 #define DJV_API __attribute__((visibility("default")))
 #endif
 
-#define DJV_ABI_VERSION 2  /* 2: optional residual input of the MLP and attention calls */
+#define DJV_ABI_VERSION 3  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm */
 
 enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
 enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
 enum djv_kv_policy { DJV_KV_DENSE = 0, DJV_KV_ACTIVE = 1 };
+enum djv_norm_kind { DJV_LAYERNORM = 0, DJV_RMSNORM = 1 };
 
 enum djv_status {
     DJV_OK = 0,
@@ -89,6 +90,14 @@ DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, co
                                       const void* residual, void* y, int B, int d, int H, int Hkv, int hd, int Kh, int T, int rotary,
                                       float scale, int kv_policy, int dtype, void* workspace,
                                       size_t workspace_bytes, cudaStream_t stream);
+
+/* ---- Row normalisation (CUDA executor; not a plugin) --------------------------------------
+ * x [rows,d], weight [d], bias [d] (LayerNorm only, may be NULL) -> y [rows,d] (may be x).
+ * DJV_LAYERNORM: (x - mean) / sqrt(var + eps) * weight + bias in fp32, rounded once.
+ * DJV_RMSNORM: as HF LlamaRMSNorm, round(x / sqrt(mean(x^2) + eps)) * weight, rounded again.
+ * Limits: d % 8 == 0, 8 <= d <= 16384. No workspace. */
+DJV_API int djv_norm(const void* x, const void* weight, const void* bias, void* y, int rows, int d, int kind,
+                     float eps, int dtype, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

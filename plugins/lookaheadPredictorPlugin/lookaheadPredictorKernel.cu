@@ -6,13 +6,12 @@
 //     L2 loads overlap) and applies the RMS normalisation (each CTA also reduced sum(h^2) over its slice).
 //  2. scores_kernel: s[n] = max_b (u[b] @ bm)[n] (fp32). CTA = 16*VEC columns, 16 row slices; u sits in
 //     shared memory, every thread streams its rows of bm with 16-byte loads.
-//  3. topk_kernel: one CTA of 1024 threads per part. The order-preserving keys of all scores go to shared
-//     memory once (global fallback when Nb does not fit) while the first 11-bit histogram is built; radix
-//     select of the K-th largest key in 11/11/10-bit digits, warp-aggregated shared atomics (__match_any),
-//     the two finer passes over the threshold bucket's keys only (gathered into a candidate list), early
-//     exit once the threshold bucket is taken whole; then a compaction in index order (warp-contiguous
-//     ranges, ballots), so indices come out ascending and ties at the threshold go to the lowest indices
-//     (the ONNX TopK rule). No host sync. (topk_r8_kernel: the earlier 8-bit, 4-pass version.)
+//  3. topk_kernel: one CTA of 1024 threads per part, the order-preserving keys of all scores in registers
+//     (warp-contiguous index ranges). The K-th largest key is found by bisection on its bits, one block-wide
+//     count per bit; after the top 12 bits only the keys sharing that prefix are counted (a shared candidate
+//     list). Then a compaction in index order (ballots), so indices come out ascending and ties at the
+//     threshold go to the lowest indices (the ONNX TopK rule). No host sync. topk_r8_kernel (8-bit radix
+//     select over shared memory) serves n > 32768 and DJV_TOPK_R8=1 A/B runs.
 #include <math.h>
 #include <stdlib.h>
 #include "dejavu_kernels.h"
@@ -312,176 +311,138 @@ __global__ void __launch_bounds__(kTopkThreads) topk_r8_kernel(float* __restrict
 }
 
 // ---------------------------------------------------------------------------------------------
-// topk_kernel v2: 11/11/10-bit radix select. The key conversion pass also builds the first (11-bit) histogram;
-// the keys of the threshold bucket are then gathered into a candidate list (typically a few % of n), so the
-// two finer passes scan only those. Same selection rule and compaction as v1 (topk_r8_kernel, kept for
-// DJV_TOPK_R8=1 A/B runs).
-constexpr int kTopkBins = 2048;
+// topk_kernel (v3): bisection on the key bits with the keys in registers. The K-th largest key T is the
+// largest value with count(key >= T) >= K, built from the top bit down: one block-wide count per bit. Warp w
+// holds the warp-contiguous index range [w*KPT*32, (w+1)*KPT*32) (coalesced loads), so the final compaction
+// needs no reshuffle. After the top kFilterBits bits, the keys that share T's prefix (for continuous scores a
+// small fraction) go to a shared candidate list and the finer bits count only those, plus the count above the
+// prefix. One CTA of 1024 threads per part; n <= 32 * 1024 * KPT (larger n use topk_r8_kernel).
+constexpr int kFilterBits = 12;
+constexpr int kCandPerThread = 4;
+constexpr int kTopkMaxKpt = 32;
 
-// Block-wide: the digit d (bins scanned from the top) holding the `remaining`-th largest of the counted keys;
-// s_sel = {d, remaining within d, hist[d]}. NBIN <= 2 * kTopkThreads; every thread must call it.
-template <int NBIN>
-__device__ __forceinline__ void select_digit(const unsigned* hist, unsigned remaining, unsigned* s_sel,
-                                             unsigned* s_warp) {
-    constexpr int PER = NBIN / kTopkThreads > 0 ? NBIN / kTopkThreads : 1;  // bins per thread (1 or 2)
-    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    unsigned c[2] = {0u, 0u};
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-        const int rank = tid * PER + j;  // 0 = the top bin
-        c[j] = rank < NBIN ? hist[NBIN - 1 - rank] : 0u;
-    }
-    const unsigned mine = c[0] + c[1];
-    unsigned incl = mine;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
-    if (lane == 31) s_warp[wid] = incl;
+// Block-wide sum of c (every thread passes its own count). Two alternating slots per warp: one barrier per
+// call is enough, because a warp can only overwrite a slot after every warp has passed the barrier of the call
+// that read it.
+__device__ __forceinline__ unsigned block_count(unsigned c, unsigned* s_cnt, int& parity) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    c = __reduce_add_sync(0xffffffffu, c);
+    if (lane == 0) s_cnt[parity * 32 + wid] = c;
     __syncthreads();
-    unsigned wsum = lane < wid ? s_warp[lane] : 0u;  // keys in the warps above (higher bins)
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
-    const unsigned above = wsum + incl - mine;
-    if (above < remaining && above + mine >= remaining) {
-        unsigned run = above;
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            if (run + c[j] >= remaining) {
-                s_sel[0] = (unsigned)(NBIN - 1 - (tid * PER + j));
-                s_sel[1] = remaining - run;
-                s_sel[2] = c[j];
-                break;
-            }
-            run += c[j];
-        }
-    }
-    __syncthreads();
+    const unsigned t = __reduce_add_sync(0xffffffffu, s_cnt[parity * 32 + lane]);
+    parity ^= 1;
+    return t;
 }
 
-// Count keys[i] (i < n) matching (key & mask) == prefix into hist by digit (key >> shift) & (NBIN - 1).
-template <int NBIN>
-__device__ __forceinline__ void count_digits(const uint32_t* keys, int n, uint32_t mask, uint32_t prefix, int shift,
-                                             unsigned* hist) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll 4
-    for (int i0 = 0; i0 < n; i0 += kTopkThreads) {
-        const int i = i0 + threadIdx.x;
-        bool v = false;
-        unsigned dig = 0xFFFFu;
-        if (i < n) {
-            const uint32_t key = keys[i];
-            v = (key & mask) == prefix;
-            if (v) dig = (key >> shift) & (NBIN - 1);
-        }
-        const unsigned peers = __match_any_sync(0xffffffffu, dig);
-        if (v && lane == __ffs(peers) - 1) atomicAdd(&hist[dig], (unsigned)__popc(peers));
-    }
-}
-
-// grid 2 (part), 1024 threads; dynamic smem (nmax + cand_cap) * 4 bytes when keys_in_smem, else 0 (keys in place
-// over the scores, no candidate list).
-__global__ void __launch_bounds__(kTopkThreads) topk_kernel(float* __restrict__ scores, Part p0, Part p1, int nmax,
-                                                            int keys_in_smem, int cand_cap) {
+template <int KPT>
+__global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restrict__ scores, Part p0, Part p1,
+                                                            int nmax) {
+    static_assert(kTopkThreads == 1024, "one count slot per warp, 32 warps");
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
-    extern __shared__ uint32_t ks_smem[];
-    __shared__ unsigned hist[kTopkBins];
-    __shared__ unsigned s_sel[3], s_warp[kTopkThreads / 32], s_ncand;
-    __shared__ unsigned wgt[kTopkThreads / 32], weq[kTopkThreads / 32];
+    __shared__ unsigned s_cnt[64];
+    __shared__ uint32_t s_cand[kCandPerThread * kTopkThreads];
+    __shared__ unsigned s_ncand, wgt[32], weq[32];
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    float* s = scores + (size_t)blockIdx.x * nmax;
-    uint32_t* keys = keys_in_smem ? ks_smem : reinterpret_cast<uint32_t*>(s);
-    uint32_t* cand = ks_smem + nmax;  // [cand_cap], only when keys_in_smem
+    const float* s = scores + (size_t)blockIdx.x * nmax;
     const int n = P.n, K = P.k;
-    for (int i = tid; i < kTopkBins; i += kTopkThreads) hist[i] = 0u;
+    const int wb = wid * KPT * 32;
+    uint32_t key[KPT];  // 0 for padding: every probe value is >= 1, so padding is never counted
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+        const int i = wb + j * 32 + lane;
+        key[j] = i < n ? order_key(__ldcg(s + i)) : 0u;
+    }
     if (tid == 0) s_ncand = 0u;
-    __syncthreads();
-    // pass 1: keys + histogram of the top 11 bits
-#pragma unroll 4
-    for (int i0 = 0; i0 < n; i0 += kTopkThreads) {
-        const int i = i0 + tid;
-        unsigned dig = 0xFFFFu;
-        if (i < n) {
-            const uint32_t key = order_key(__ldcg(s + i));
-            keys[i] = key;
-            dig = key >> 21;
-        }
-        const unsigned peers = __match_any_sync(0xffffffffu, dig);
-        if (i < n && lane == __ffs(peers) - 1) atomicAdd(&hist[dig], (unsigned)__popc(peers));
+    int parity = 0;
+    uint32_t T = 0;
+    int bit = 31;
+    for (; bit >= 32 - kFilterBits; --bit) {
+        const uint32_t c = T | (1u << bit);
+        unsigned cnt = 0;
+#pragma unroll
+        for (int j = 0; j < KPT; ++j) cnt += key[j] >= c;
+        if (block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
     }
-    __syncthreads();
-    select_digit<kTopkBins>(hist, (unsigned)K, s_sel, s_warp);
-    uint32_t prefix = s_sel[0] << 21, mask = 0xFFE00000u;
-    unsigned remaining = s_sel[1];
-    bool whole = s_sel[2] == remaining;
-    if (!whole) {
-        // gather the threshold bucket's keys (order does not matter for counting)
-        const unsigned bucket = s_sel[2];
-        const bool gather = keys_in_smem && bucket <= (unsigned)cand_cap;
-        const uint32_t* src = keys;
-        int ns = n;
-        if (gather) {
-            for (int i0 = 0; i0 < n; i0 += kTopkThreads) {
-                const int i = i0 + tid;
-                const uint32_t key = i < n ? keys[i] : 0u;
-                const bool c = i < n && (key & mask) == prefix;
-                const unsigned bal = __ballot_sync(0xffffffffu, c);
-                unsigned base = 0u;
-                if (lane == 0 && bal) base = atomicAdd(&s_ncand, (unsigned)__popc(bal));
-                base = __shfl_sync(0xffffffffu, base, 0);
-                if (c) cand[base + __popc(bal & ((1u << lane) - 1u))] = key;
-            }
-            src = cand;
-            ns = (int)bucket;
+    // keys above T's prefix, and the candidates that share it
+    const uint32_t pre = T >> (32 - kFilterBits);
+    unsigned above = 0, ncand = 0;
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+        const uint32_t kp = key[j] >> (32 - kFilterBits);
+        above += kp > pre && key[j] != 0u;
+        ncand += kp == pre && key[j] != 0u;
+    }
+    above = block_count(above, s_cnt, parity);
+    ncand = block_count(ncand, s_cnt, parity);
+    if (ncand <= (unsigned)(kCandPerThread * kTopkThreads)) {
+#pragma unroll
+        for (int j = 0; j < KPT; ++j) {
+            const bool c = key[j] != 0u && (key[j] >> (32 - kFilterBits)) == pre;
+            const unsigned bal = __ballot_sync(0xffffffffu, c);
+            unsigned base = 0;
+            if (lane == 0 && bal) base = atomicAdd(&s_ncand, (unsigned)__popc(bal));
+            base = __shfl_sync(0xffffffffu, base, 0);
+            if (c) s_cand[base + __popc(bal & ((1u << lane) - 1u))] = key[j];
         }
-        // pass 2: bits 20..10
-        for (int i = tid; i < kTopkBins; i += kTopkThreads) hist[i] = 0u;
         __syncthreads();
-        count_digits<kTopkBins>(src, ns, mask, prefix, 10, hist);
-        __syncthreads();
-        select_digit<kTopkBins>(hist, remaining, s_sel, s_warp);
-        prefix |= s_sel[0] << 10;
-        mask |= 0x001FFC00u;
-        remaining = s_sel[1];
-        whole = s_sel[2] == remaining;
-        if (!whole) {  // pass 3: bits 9..0
-            for (int i = tid; i < kTopkBins; i += kTopkThreads) hist[i] = 0u;
-            __syncthreads();
-            count_digits<1024>(src, ns, mask, prefix, 0, hist);
-            __syncthreads();
-            select_digit<1024>(hist, remaining, s_sel, s_warp);
-            prefix |= s_sel[0];
-            mask = 0xFFFFFFFFu;
-            remaining = s_sel[1];
+        uint32_t ck[kCandPerThread];
+#pragma unroll
+        for (int m = 0; m < kCandPerThread; ++m) {
+            const unsigned q = (unsigned)(m * kTopkThreads + tid);
+            ck[m] = q < ncand ? s_cand[q] : 0u;
+        }
+        for (; bit >= 0; --bit) {
+            const uint32_t c = T | (1u << bit);
+            unsigned cnt = 0;
+#pragma unroll
+            for (int m = 0; m < kCandPerThread; ++m) cnt += ck[m] >= c;
+            if (above + block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+        }
+    } else {  // many equal prefixes (e.g. ties): keep counting every key
+        for (; bit >= 0; --bit) {
+            const uint32_t c = T | (1u << bit);
+            unsigned cnt = 0;
+#pragma unroll
+            for (int j = 0; j < KPT; ++j) cnt += key[j] >= c;
+            if (block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
         }
     }
-    // take every masked key > prefix and the first `remaining` (in index order) masked keys == prefix
-    const int per = cdiv(cdiv(n, kTopkThreads / 32), 32) * 32;
-    const int wb = wid * per, we = min(n, wb + per);
-    const unsigned lt = (1u << lane) - 1u;
+    // T is the K-th largest key: take every key > T and the first K - count(> T) keys == T in index order
     unsigned gtc = 0, eqc = 0;
-    for (int j = wb; j < we; j += 32) {
-        const int i = j + lane;
-        const uint32_t key = i < we ? (keys[i] & mask) : 0u;
-        gtc += __popc(__ballot_sync(0xffffffffu, i < we && key > prefix));
-        eqc += __popc(__ballot_sync(0xffffffffu, i < we && key == prefix));
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+        const bool valid = wb + j * 32 + lane < n;
+        gtc += __popc(__ballot_sync(0xffffffffu, valid && key[j] > T));
+        eqc += __popc(__ballot_sync(0xffffffffu, valid && key[j] == T));
     }
     if (lane == 0) { wgt[wid] = gtc; weq[wid] = eqc; }
     __syncthreads();
-    unsigned gt_before = 0, eq_before = 0;
-    for (int w = 0; w < wid; ++w) { gt_before += wgt[w]; eq_before += weq[w]; }
-    for (int j = wb; j < we; j += 32) {
-        const int i = j + lane;
-        const uint32_t key = i < we ? (keys[i] & mask) : 0u;
-        const bool gt = i < we && key > prefix, eq = i < we && key == prefix;
+    unsigned gt_before = __reduce_add_sync(0xffffffffu, lane < wid ? wgt[lane] : 0u);
+    unsigned eq_before = __reduce_add_sync(0xffffffffu, lane < wid ? weq[lane] : 0u);
+    const unsigned gt_all = __reduce_add_sync(0xffffffffu, wgt[lane]);
+    const unsigned remaining = (unsigned)K - gt_all;
+    const unsigned lt = (1u << lane) - 1u;
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+        const int i = wb + j * 32 + lane;
+        const bool valid = i < n;
+        const bool gt = valid && key[j] > T, eq = valid && key[j] == T;
         const unsigned gtm = __ballot_sync(0xffffffffu, gt), eqm = __ballot_sync(0xffffffffu, eq);
         const unsigned my_gt = gt_before + __popc(gtm & lt), my_eq = eq_before + __popc(eqm & lt);
         if (gt || (eq && my_eq < remaining)) P.out[my_gt + (my_eq < remaining ? my_eq : remaining)] = i;
         gt_before += __popc(gtm);
         eq_before += __popc(eqm);
     }
+}
+
+// keys per thread of topk_kernel for n keys; 0 when n needs topk_r8_kernel
+inline int topk_kpt(int n) {
+    const int need = cdiv(n, kTopkThreads);
+    if (need <= 4) return 4;
+    if (need <= 12) return 12;
+    if (need <= 24) return 24;
+    return need <= kTopkMaxKpt ? kTopkMaxKpt : 0;
 }
 
 // DJV_TOPK_R8=1: the v1 top-k (8-bit digits, four passes over every key), for A/B measurements.
@@ -492,8 +453,7 @@ inline bool topk_r8() {
 
 struct PredPlan {
     int rmax, nmax, ncg, KS, vec_a, vec_b, nb;
-    bool keys_smem;
-    int cand_cap;  // topk_kernel's candidate list (keys of the threshold bucket), in shared memory
+    bool keys_smem;  // topk_r8_kernel keeps the keys in shared memory
     size_t off_part, off_ssq, off_u, off_scores, total;
 };
 
@@ -515,10 +475,7 @@ PredPlan plan_pred(int B, int d, int r_m, int Nb, int r_h, int H) {
     p.vec_b = (Nb % 8 == 0 && (H == 0 || H % 8 == 0)) ? 8 : 2;
     if (r_m % 2 || r_h % 2 || Nb % 2 || H % 2) p.vec_a = p.vec_b = 1;  // a row length is odd: element loads
     const int optin = smem_optin();
-    // reserve 8 KB for the static 2048-bin histogram and 2 KB for the other static arrays
-    p.keys_smem = (size_t)p.nmax * 4 + 8192 + 2048 <= (size_t)optin;
-    const long long room = ((long long)optin - 8192 - 2048) / 4 - p.nmax;  // 32-bit keys left after the keys
-    p.cand_cap = p.keys_smem ? (int)(room < p.nmax ? (room > 0 ? room : 0) : p.nmax) : 0;
+    p.keys_smem = (size_t)p.nmax * 4 + 8192 <= (size_t)optin;
     size_t o = kCounterBytes;
     p.off_part = o; o = align_up(o + (size_t)2 * p.ncg * p.KS * kMaxB * kCG * 4, 256);
     p.off_ssq = o; o = align_up(o + (size_t)2 * p.ncg * p.KS * kMaxB * 4, 256);
@@ -548,7 +505,8 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
     scores_kernel<T, NB, VB><<<dim3(cdiv(p.nmax, 16 * VB), 1, 2), kThreads, usm, st>>>(u, p0, p1, B, p.rmax, sc, p.nmax,
                                                                                        scores_out);
     if ((e = cudaGetLastError()) != cudaSuccess) return (int)e;
-    if (topk_r8()) {  // v1, for A/B runs
+    const int kpt = topk_kpt(p.nmax);
+    if (kpt == 0 || topk_r8()) {  // v1: n > 32768, or an A/B run
         const size_t ksm = p.keys_smem ? (size_t)p.nmax * 4 : 0;
         if ((e = cudaFuncSetAttribute(topk_r8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ksm)) !=
             cudaSuccess)
@@ -556,10 +514,12 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
         topk_r8_kernel<<<2, kTopkThreads, ksm, st>>>(sc, p0, p1, p.nmax, p.keys_smem ? 1 : 0);
         return (int)cudaGetLastError();
     }
-    const size_t ksm = p.keys_smem ? (size_t)(p.nmax + p.cand_cap) * 4 : 0;
-    if ((e = cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ksm)) != cudaSuccess)
-        return (int)e;
-    topk_kernel<<<2, kTopkThreads, ksm, st>>>(sc, p0, p1, p.nmax, p.keys_smem ? 1 : 0, p.cand_cap);
+    switch (kpt) {
+    case 4: topk_kernel<4><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 12: topk_kernel<12><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 24: topk_kernel<24><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    default: topk_kernel<kTopkMaxKpt><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    }
     return (int)cudaGetLastError();
 }
 

@@ -291,6 +291,10 @@ PRED_CASES = [  # B, d, r_m, Nb, K, r_h, H, Kh
     (2, 1000, 6, 60000, 3000, 10, 6, 2),      # ranks not multiples of 8 (4-byte loads); keys too big for smem
     (1, 576, 64, 1536, 768, 32, 9, 6),        # SmolLM2-135M: 9 heads (odd row length: element loads)
     (3, 200, 7, 33, 5, 5, 9, 1),              # odd ranks and unit counts everywhere
+    (1, 8192, 128, 28672, 5734, 64, 64, 13),  # LLaMA-3-70B-like: 28 keys per top-k thread (the 32-key variant)
+    (2, 256, 16, 32768, 9000, 16, 8, 3),      # the most keys the register top-k takes
+    (1, 256, 16, 32769, 31000, 16, 8, 7),     # one more: the shared-memory top-k, K close to n
+    (4, 256, 16, 4097, 1, 16, 8, 8),          # K = 1 and K = all heads
 ]
 
 
@@ -352,6 +356,42 @@ def test_predictor_many_ties_exact(Nb, K):
     assert torch.isfinite(scores).all()
     assert len(torch.unique(scores)) <= 5
     assert torch.equal(mi, ref.topk_sorted(scores, K))
+
+
+# -------------------------------------------------------------------------------------- norm
+NORM_CASES = [(1, 8), (1, 5120), (3, 200), (16, 576), (33, 8200), (2, 16384), (5, 4096)]  # rows, d
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("rows,d", NORM_CASES)
+def test_norm(rows, d, kind, dtype):
+    x = rand(rows, d, dtype=dtype, scale=2.0) + 0.5  # a non-zero mean, so LayerNorm's centring matters
+    w = rand(d, dtype=dtype) + 1.0
+    b = rand(d, dtype=dtype, scale=0.1) if kind == "layernorm" else None
+    y = torch.full_like(x, float("nan"))
+    kernels.norm(x, w, b, kind=kind, eps=1e-5, out=y)
+    xd = x.double()
+    if kind == "layernorm":
+        want = F.layer_norm(xd, (d,), w.double(), b.double(), 1e-5)
+    else:
+        want = w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    assert relerr(y, want) < TOL[dtype] / 2
+    if dtype == torch.float16:  # against torch's own fp16 kernel: within a rounding or two per element
+        from dejavu_trt.runtime.ops import torch_norm
+        t = torch_norm(x, w, b, kind, 1e-5)
+        assert (y.float() - t.float()).abs().max() <= 2 * torch.finfo(dtype).eps * t.float().abs().max()
+    z = x.clone()
+    kernels.norm(z, w, b, kind=kind, eps=1e-5, out=z)  # in place
+    assert torch.equal(z, y)
+
+
+def test_norm_rejects_bad_shapes():
+    w = torch.ones(16392, device="cuda", dtype=torch.float16)
+    for d in (12, 16392):
+        with pytest.raises(ValueError, match="shape|size"):
+            kernels.norm(torch.ones(2, d, device="cuda", dtype=torch.float16), w[:d], kind="layernorm", eps=1e-5)
 
 
 # -------------------------------------------------------------------------------------- CUDA graph
