@@ -30,16 +30,12 @@ template <int ACT> __device__ __forceinline__ float activate(float u) {
 // One __syncthreads per neuron: after it, every thread is done with the previous neuron's stage, so thread 0
 // refills that stage. Partials part[c][b][:] are summed in CTA order by rows_reduce_kernel (deterministic).
 constexpr int kBulkMaxThreads = 256;  // few warps: the per-neuron CTA reduction stays short
-// Batch 3-4 with d <= 5120: one column vector per thread and up to 20 warps (one CTA per SM), since
-// 4 batch rows x 2+ vectors of fp32 partials do not fit the registers of 256 threads.
-constexpr int kBulkWideThreads = 640;
 constexpr int kBulkMaxStages = 8;
 constexpr size_t kBulkHeader = 2048;  // mbarriers [0, 128), cross-warp dot sums [128, 2048)
 constexpr size_t kBulkSmPerSm = 200 * 1024;
 
 struct BulkPlan {
     int vpt, threads, stages, ctas, per, rem;
-    bool wide;  // kBulkWideThreads variant
     size_t smem;
 };
 
@@ -63,17 +59,13 @@ inline int bulk_vpt(int d) {
 inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     BulkPlan p{};
     p.vpt = bulk_vpt(d);
-    if (p.vpt != 0 && rows_nb(B) == 4 && rows_nb(B) * p.vpt > 8 && d / 8 <= kBulkWideThreads) {
-        p.vpt = 1;
-        p.wide = true;
-    }
     if (!use_rows(B) || p.vpt == 0 || rows_nb(B) * p.vpt > 8 || !bulk_copy_supported()) return p;
     p.threads = (int)align_up((size_t)cdiv(d / 8, p.vpt), 32);
     const size_t stage = (size_t)nseg * d * 2;
     // As many CTAs per SM (<= 4) as keep 3 stages each and fit the registers (<= 128 per thread): CTAs on
     // one SM overlap each other's per-neuron barrier.
     int per_sm = (int)(kBulkSmPerSm / (kBulkHeader + 3 * stage));
-    const int by_regs = p.wide ? 1 : 65536 / (p.threads * (bulk_min_ctas(rows_nb(B), p.vpt) == 2 ? 128 : 255));
+    const int by_regs = 65536 / (p.threads * (bulk_min_ctas(rows_nb(B), p.vpt) == 2 ? 128 : 255));
     per_sm = per_sm < by_regs ? per_sm : by_regs;
     per_sm = per_sm < 1 ? 1 : (per_sm > 4 ? 4 : per_sm);
     const size_t cap = (size_t)smem_optin() < kBulkSmPerSm / per_sm ? (size_t)smem_optin() : kBulkSmPerSm / per_sm;
@@ -89,8 +81,8 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     return p;
 }
 
-template <typename T, int NB, int ACT, int VPT, int MAXT>
-__global__ void __launch_bounds__(MAXT, MAXT > kBulkMaxThreads ? 1 : bulk_min_ctas(NB, VPT)) mlp_bulk_kernel(
+template <typename T, int NB, int ACT, int VPT>
+__global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_bulk_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ idx, int bs, const T* __restrict__ w_gate,
     const T* __restrict__ w_up, const T* __restrict__ b_up, const T* __restrict__ w_down_t, float* __restrict__ part,
     int B, int d, BulkPlan p) {
@@ -99,11 +91,9 @@ __global__ void __launch_bounds__(MAXT, MAXT > kBulkMaxThreads ? 1 : bulk_min_ct
     constexpr int NSEG = NMAT + 1;
     constexpr int NV = NMAT * NB;  // dot sums per neuron
     constexpr bool XF = NB * VPT <= 4;  // x unpacked to fp32 registers once; else unpacked per neuron
-    constexpr int NWMAX = MAXT / 32;    // warp slots of the CTA sum
-    static_assert(128 + 2 * NWMAX * NV * 4 <= (int)kBulkHeader, "CTA-sum slots overflow the header");
     extern __shared__ __align__(128) unsigned char smem[];
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
-    float* red = reinterpret_cast<float*>(smem + 128);  // [2][NWMAX warps][NV]
+    float* red = reinterpret_cast<float*>(smem + 128);  // [2][8 warps][NV]
     int* rowtab = reinterpret_cast<int*>(smem + kBulkHeader);  // [p.per + 1]
     T* ring = reinterpret_cast<T*>(smem + kBulkHeader + bulk_table_bytes(p.per + 1));
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
@@ -170,7 +160,7 @@ __global__ void __launch_bounds__(MAXT, MAXT > kBulkMaxThreads ? 1 : bulk_min_ct
             }
         }
         // Warp sums (xor butterfly: every lane ends with the same bits), then one slot per warp.
-        float* rb = red + (j & 1) * NWMAX * NV;  // double-buffered: neuron j+1 may write before all read j
+        float* rb = red + (j & 1) * 8 * NV;  // double-buffered: neuron j+1 may write before all read j
 #pragma unroll
         for (int m = 0; m < NMAT; ++m)
 #pragma unroll
@@ -186,16 +176,15 @@ __global__ void __launch_bounds__(MAXT, MAXT > kBulkMaxThreads ? 1 : bulk_min_ct
             fence_proxy_async();
             issue(j - 1 + p.stages);
         }
-        // CTA sums: each 8-lane group (32 when wide) butterflies the warp slots, so all threads get identical
-        // values.
+        // CTA sums: each 8-lane group butterflies the <= 8 warp slots, so all threads get identical values.
         float a[NB];
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
-            const int w = NWMAX > 8 ? lane : (lane & 7);
+            const int w = lane & 7;
             float g = w < nw ? rb[w * NV + b] : 0.f;
             float u = (NMAT == 2 && w < nw) ? rb[w * NV + NB + b] : 0.f;
 #pragma unroll
-            for (int o = NWMAX > 8 ? 16 : 4; o > 0; o >>= 1) {
+            for (int o = 4; o > 0; o >>= 1) {
                 g += __shfl_xor_sync(0xffffffffu, g, o);
                 if (NMAT == 2) u += __shfl_xor_sync(0xffffffffu, u, o);
             }
@@ -229,11 +218,11 @@ __global__ void __launch_bounds__(MAXT, MAXT > kBulkMaxThreads ? 1 : bulk_min_ct
 #endif
 }
 
-template <typename T, int NB, int ACT, int VPT, int MAXT>
+template <typename T, int NB, int ACT, int VPT>
 cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
                      const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, int B, int d,
                      cudaStream_t st) {
-    auto* k = mlp_bulk_kernel<T, NB, ACT, VPT, MAXT>;
+    auto* k = mlp_bulk_kernel<T, NB, ACT, VPT>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
     k<<<bp.ctas, bp.threads, bp.smem, st>>>(x, idx, bs, wg, wu, bu, wd, part, B, d, bp);
@@ -246,14 +235,12 @@ cudaError_t run_bulk_any(const BulkPlan& bp, const T* x, const int32_t* idx, int
                          const T* wu, const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part,
                          int B, int d, cudaStream_t st) {
 #define DJV_BULK_CASE(NB_, VPT_)                                                                     \
-    if (!bp.wide && rows_nb(B) == NB_ && bp.vpt == VPT_)                                             \
-        return run_bulk<T, NB_, ACT, VPT_, kBulkMaxThreads>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, B, d, st);
+    if (rows_nb(B) == NB_ && bp.vpt == VPT_)                                                         \
+        return run_bulk<T, NB_, ACT, VPT_>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, B, d, st);
     DJV_BULK_CASE(1, 1) DJV_BULK_CASE(1, 2) DJV_BULK_CASE(1, 4) DJV_BULK_CASE(1, 8)
     DJV_BULK_CASE(2, 1) DJV_BULK_CASE(2, 2) DJV_BULK_CASE(2, 4)
     DJV_BULK_CASE(4, 1) DJV_BULK_CASE(4, 2)
 #undef DJV_BULK_CASE
-    if (bp.wide && rows_nb(B) == 4 && bp.vpt == 1)
-        return run_bulk<T, 4, ACT, 1, kBulkWideThreads>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, B, d, st);
     return cudaErrorInvalidConfiguration;  // plan_bulk admits only the cases above
 }
 

@@ -48,9 +48,6 @@ MLP_CASES = [  # B, d, N, K, block_size
     (4, 1032, 3000, 2500, 1),
     (1, 8192, 4096, 3000, 1),
     (2, 8192, 700, 699, 1),
-    # batch 3-4 at 4096 < d <= 5120: the wide variant (one column vector per thread, up to 20 warps)
-    (4, 5120, 3000, 1200, 1),
-    (3, 4104, 999, 500, 1),
 ]
 
 
