@@ -8,7 +8,6 @@
 //  Batch <= 4 on sm_90 (d <= 16384 at batch 1, 8192 at 2, 4096 at 3-4): mlp_bulk_kernel does up, activation and down in one pass, streaming
 //     whole rows through shared memory with bulk copies (djv_bulk.cuh); the activations stay on chip.
 // (A bulk-copy QKV kernel and output projection were tried for attention and measured no faster there.)
-#include <stdlib.h>
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"
@@ -28,8 +27,8 @@ template <int ACT> __device__ __forceinline__ float activate(float u) {
 //   (1) dots its 8*VPT columns of the up row(s) with x (held in registers), the CTA sums the dot,
 //   (2) applies bias + activation (fp32, never rounded to the I/O dtype),
 //   (3) adds a * (its columns of the down row) to its fp32 partial of y.
-// One __syncthreads per neuron (per NG neurons with DJV_BULK_NG=2): after it, every thread is done with the
-// previous group's stages, so thread 0 refills them. Partials part[c][b][:] are summed in CTA order by rows_reduce_kernel (deterministic).
+// One __syncthreads per neuron: after it, every thread is done with the previous neuron's stage, so thread 0
+// refills that stage. Partials part[c][b][:] are summed in CTA order by rows_reduce_kernel (deterministic).
 constexpr int kBulkMaxThreads = 256;  // few warps: the per-neuron CTA reduction stays short
 constexpr int kBulkMaxStages = 8;
 constexpr size_t kBulkHeader = 2048;  // mbarriers [0, 128), cross-warp dot sums [128, 2048)
@@ -37,7 +36,6 @@ constexpr size_t kBulkSmPerSm = 200 * 1024;
 
 struct BulkPlan {
     int vpt, threads, stages, ctas, per, rem;
-    int ng;  // neurons per CTA barrier (1 or 2)
     size_t smem;
 };
 
@@ -58,34 +56,21 @@ inline int bulk_vpt(int d) {
 
 // Valid (ctas > 0) when the fused kernel applies: sm_90, batch <= 4, NB * VPT <= 8 (fp32 partials of y in
 // registers), and at least two stages fit. Needs the device (SM count, shared-memory limit).
-// Neurons per CTA barrier: DJV_BULK_NG=2 processes two neurons between barriers (their chains overlap; half
-// the barriers), at the price of 4+ stages per CTA. For A/B runs; default 1.
-inline int bulk_ng() {
-    static const int ng = [] {
-        const char* e = getenv("DJV_BULK_NG");
-        return (e && e[0] == '2') ? 2 : 1;
-    }();
-    return ng;
-}
-
 inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     BulkPlan p{};
-    p.ng = bulk_ng();
     p.vpt = bulk_vpt(d);
     if (!use_rows(B) || p.vpt == 0 || rows_nb(B) * p.vpt > 8 || !bulk_copy_supported()) return p;
     p.threads = (int)align_up((size_t)cdiv(d / 8, p.vpt), 32);
     const size_t stage = (size_t)nseg * d * 2;
     // As many CTAs per SM (<= 4) as keep 3 stages each and fit the registers (<= 128 per thread): CTAs on
     // one SM overlap each other's per-neuron barrier.
-    const int min_stages = p.ng == 2 ? 4 : 3;
-    int per_sm = (int)(kBulkSmPerSm / (kBulkHeader + min_stages * stage));
+    int per_sm = (int)(kBulkSmPerSm / (kBulkHeader + 3 * stage));
     const int by_regs = 65536 / (p.threads * (bulk_min_ctas(rows_nb(B), p.vpt) == 2 ? 128 : 255));
     per_sm = per_sm < by_regs ? per_sm : by_regs;
     per_sm = per_sm < 1 ? 1 : (per_sm > 4 ? 4 : per_sm);
     const size_t cap = (size_t)smem_optin() < kBulkSmPerSm / per_sm ? (size_t)smem_optin() : kBulkSmPerSm / per_sm;
     const int ctas = M < per_sm * sm_count() ? M : per_sm * sm_count();
     const size_t head = kBulkHeader + bulk_table_bytes(M / ctas + 1);
-    if (cap < head + 2 * p.ng * stage) p.ng = 1;
     if (cap < head + 2 * stage) return p;
     p.stages = (int)((cap - head) / stage);
     if (p.stages > kBulkMaxStages) p.stages = kBulkMaxStages;
@@ -96,7 +81,7 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     return p;
 }
 
-template <typename T, int NB, int ACT, int VPT, int NG>
+template <typename T, int NB, int ACT, int VPT>
 __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_bulk_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ idx, int bs, const T* __restrict__ w_gate,
     const T* __restrict__ w_up, const T* __restrict__ b_up, const T* __restrict__ w_down_t, float* __restrict__ part,
@@ -105,11 +90,10 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : 1;  // up-side rows per neuron
     constexpr int NSEG = NMAT + 1;
     constexpr int NV = NMAT * NB;  // dot sums per neuron
-    static_assert(128 + 2 * 8 * NG * NV * 4 <= (int)kBulkHeader, "CTA-sum slots overflow the header");
     constexpr bool XF = NB * VPT <= 4;  // x unpacked to fp32 registers once; else unpacked per neuron
     extern __shared__ __align__(128) unsigned char smem[];
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
-    float* red = reinterpret_cast<float*>(smem + 128);  // [2][8 warps][NG * NV]
+    float* red = reinterpret_cast<float*>(smem + 128);  // [2][8 warps][NV]
     int* rowtab = reinterpret_cast<int*>(smem + kBulkHeader);  // [p.per + 1]
     T* ring = reinterpret_cast<T*>(smem + kBulkHeader + bulk_table_bytes(p.per + 1));
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
@@ -151,86 +135,73 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     }
     float acc[NB][VPT][8] = {};
 
-    for (int j = 0; j < n; j += NG) {
-        float bias[NG], dot[NG][NMAT][NB] = {};
-        const T* st[NG];
+    for (int j = 0; j < n; ++j) {
+        const int s = j % p.stages;
+        const float bias = (NMAT == 1 && b_up) ? to_f(b_up[rowtab[j]]) : 0.f;
+        mbar_wait(&bars[s], (unsigned)(j / p.stages) & 1u);
+        const T* st = ring + (size_t)s * NSEG * d;
+        float dot[NMAT][NB] = {};
 #pragma unroll
-        for (int q = 0; q < NG; ++q) {
-            const int jq = j + q < n ? j + q : j;  // past the end: recompute neuron j, its result is unused
-            const int s = jq % p.stages;
-            bias[q] = (NMAT == 1 && b_up) ? to_f(b_up[rowtab[jq]]) : 0.f;
-            mbar_wait(&bars[s], (unsigned)(jq / p.stages) & 1u);
-            st[q] = ring + (size_t)s * NSEG * d;
+        for (int v = 0; v < VPT; ++v) {
+            const int c = (v * blockDim.x + tid) * 8;
+            if (c >= d) continue;
 #pragma unroll
-            for (int v = 0; v < VPT; ++v) {
-                const int c = (v * blockDim.x + tid) * 8;
-                if (c >= d) continue;
+            for (int m = 0; m < NMAT; ++m) {
+                float wf[8];
+                unpack8<T>(*reinterpret_cast<const uint4*>(st + (size_t)m * d + c), wf);
 #pragma unroll
-                for (int m = 0; m < NMAT; ++m) {
-                    float wf[8];
-                    unpack8<T>(*reinterpret_cast<const uint4*>(st[q] + (size_t)m * d + c), wf);
+                for (int b = 0; b < NB; ++b) {
+                    float xt[8];
+                    if (!XF) unpack8<T>(xr[b][v], xt);
 #pragma unroll
-                    for (int b = 0; b < NB; ++b) {
-                        float xt[8];
-                        if (!XF) unpack8<T>(xr[b][v], xt);
-#pragma unroll
-                        for (int e = 0; e < 8; ++e)
-                            dot[q][m][b] = fmaf(wf[e], XF ? xf[XF ? b : 0][XF ? v : 0][e] : xt[e], dot[q][m][b]);
-                    }
+                    for (int e = 0; e < 8; ++e)
+                        dot[m][b] = fmaf(wf[e], XF ? xf[XF ? b : 0][XF ? v : 0][e] : xt[e], dot[m][b]);
                 }
             }
         }
         // Warp sums (xor butterfly: every lane ends with the same bits), then one slot per warp.
-        float* rb = red + ((j / NG) & 1) * 8 * NG * NV;  // double-buffered: the next group may write early
+        float* rb = red + (j & 1) * 8 * NV;  // double-buffered: neuron j+1 may write before all read j
 #pragma unroll
-        for (int q = 0; q < NG; ++q)
-#pragma unroll
-            for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-                for (int b = 0; b < NB; ++b) {
-                    float t = dot[q][m][b];
-#pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-                    if (lane == 0) rb[wid * NG * NV + q * NV + m * NB + b] = t;
-                }
-        __syncthreads();
-        // Every thread is past the previous group's down rows: their stages are free.
-        if (tid == 0 && j >= NG) {
-            fence_proxy_async();
-            for (int q = 0; q < NG; ++q)
-                if (j - NG + q + p.stages < n) issue(j - NG + q + p.stages);
-        }
-        // CTA sums: each 8-lane group butterflies the <= 8 warp slots, so all threads get identical values.
-        float a[NG][NB];
-#pragma unroll
-        for (int q = 0; q < NG; ++q)
+        for (int m = 0; m < NMAT; ++m)
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
-                const int w = lane & 7;
-                float g = w < nw ? rb[w * NG * NV + q * NV + b] : 0.f;
-                float u = (NMAT == 2 && w < nw) ? rb[w * NG * NV + q * NV + NB + b] : 0.f;
+                float t = dot[m][b];
 #pragma unroll
-                for (int o = 4; o > 0; o >>= 1) {
-                    g += __shfl_xor_sync(0xffffffffu, g, o);
-                    if (NMAT == 2) u += __shfl_xor_sync(0xffffffffu, u, o);
-                }
-                if (ACT == DJV_SILU_GLU) a[q][b] = g / (1.f + __expf(-g)) * u;
-                else a[q][b] = activate<ACT>(g + bias[q]);
-                if (j + q >= n) a[q][b] = 0.f;  // the recomputed stand-in adds nothing
+                for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+                if (lane == 0) rb[wid * NV + m * NB + b] = t;
             }
+        __syncthreads();
+        // Every thread is past neuron j-1's down row: its stage is free.
+        if (tid == 0 && j >= 1 && j - 1 + p.stages < n) {
+            fence_proxy_async();
+            issue(j - 1 + p.stages);
+        }
+        // CTA sums: each 8-lane group butterflies the <= 8 warp slots, so all threads get identical values.
+        float a[NB];
 #pragma unroll
-        for (int q = 0; q < NG; ++q)
+        for (int b = 0; b < NB; ++b) {
+            const int w = lane & 7;
+            float g = w < nw ? rb[w * NV + b] : 0.f;
+            float u = (NMAT == 2 && w < nw) ? rb[w * NV + NB + b] : 0.f;
 #pragma unroll
-            for (int v = 0; v < VPT; ++v) {
-                const int c = (v * blockDim.x + tid) * 8;
-                if (c >= d) continue;
-                float wf[8];
-                unpack8<T>(*reinterpret_cast<const uint4*>(st[q] + (size_t)NMAT * d + c), wf);
-#pragma unroll
-                for (int b = 0; b < NB; ++b)
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[b][v][e] = fmaf(a[q][b], wf[e], acc[b][v][e]);
+            for (int o = 4; o > 0; o >>= 1) {
+                g += __shfl_xor_sync(0xffffffffu, g, o);
+                if (NMAT == 2) u += __shfl_xor_sync(0xffffffffu, u, o);
             }
+            if (ACT == DJV_SILU_GLU) a[b] = g / (1.f + __expf(-g)) * u;
+            else a[b] = activate<ACT>(g + bias);
+        }
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) {
+            const int c = (v * blockDim.x + tid) * 8;
+            if (c >= d) continue;
+            float wf[8];
+            unpack8<T>(*reinterpret_cast<const uint4*>(st + (size_t)NMAT * d + c), wf);
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[b][v][e] = fmaf(a[b], wf[e], acc[b][v][e]);
+        }
     }
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
@@ -251,7 +222,7 @@ template <typename T, int NB, int ACT, int VPT>
 cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
                      const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, int B, int d,
                      cudaStream_t st) {
-    auto* k = bp.ng == 2 ? mlp_bulk_kernel<T, NB, ACT, VPT, 2> : mlp_bulk_kernel<T, NB, ACT, VPT, 1>;
+    auto* k = mlp_bulk_kernel<T, NB, ACT, VPT>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
     k<<<bp.ctas, bp.threads, bp.smem, st>>>(x, idx, bs, wg, wu, bu, wd, part, B, d, bp);
