@@ -18,15 +18,17 @@ Functions (fp16 or bf16 tensors, contiguous, on one CUDA device; index tensors i
     ``out=(mlp_idx, head_idx)`` writes into preallocated int32 tensors.
 
 ``sparse_mlp(x, idx, *, activation, block_size=1, w_up, w_down_t, w_gate=None, b_up=None,
-             b_down=None, out=None, workspace=None) -> y [B,d]``
+             b_down=None, residual=None, out=None, workspace=None) -> y [B,d]``
     DejaVuSparseMLP; activation in {"relu", "gelu", "silu_glu"}; same keywords as
-    ``dejavu_trt.ops.reference.sparse_mlp``.
+    ``dejavu_trt.ops.reference.sparse_mlp``. ``residual`` [B,d] (may be ``out``) is added to the result
+    in fp32 before the one rounding (the executor's fused residual add; not part of the op contract).
 
 ``head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos,
                         rope_sin, k_cache, v_cache, *, num_heads, num_kv_heads, head_dim, rotary, scale,
-                        kv_policy="dense", out=None, workspace=None) -> (y, k_cache, v_cache)``
+                        kv_policy="dense", residual=None, out=None, workspace=None) -> (y, k_cache, v_cache)``
     DejaVuHeadSparseAttention; the caches [B,Hkv,T,hd] are updated IN PLACE and returned (the
     reference returns updated copies). Biases may be None (zero); rope tables may be None if rotary=0.
+    ``residual`` as for ``sparse_mlp``.
 
 ``norm(x, weight, bias=None, *, kind, eps, out=None) -> y``
     Row LayerNorm ("layernorm") or HF-style RMSNorm ("rmsnorm") over the last dimension, for the
