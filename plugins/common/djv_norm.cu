@@ -15,14 +15,10 @@ constexpr int kNormMaxThreads = 1024;
 // for consecutive sums, so a single barrier per sum suffices.
 __device__ __forceinline__ float block_sum(float v, float* slots) {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum(v);
     if (lane == 0) slots[wid] = v;
     __syncthreads();
-    float t = lane < nw ? slots[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    return t;
+    return warp_sum(lane < nw ? slots[lane] : 0.f);
 }
 
 // grid = rows; each thread owns up to VPT 8-element vectors of the row (y may be x: each thread reads its

@@ -80,8 +80,7 @@ __device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int
         for (int m = 0; m < NMAT; ++m)
 #pragma unroll
             for (int b = 0; b < NB; ++b)
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) acc[m][b] += __shfl_xor_sync(0xffffffffu, acc[m][b], o);
+                acc[m][b] = warp_sum(acc[m][b]);
         if (!(k0 == 0 && k1 == sk.per_item)) {  // split row: publish; the completing warp sums in order
             float* slots = part + (size_t)item * sk.max_slots * SLOT;
             if (lane == 0) {

@@ -292,16 +292,14 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         for (int g = wid; g < G; g += kAttnThreads / 32) {
             float mx = -INFINITY;
             for (int i = lane; i < n; i += 32) mx = fmaxf(mx, sc[g * L + i]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            mx = warp_max(mx);
             float sum = 0.f;
             for (int i = lane; i < n; i += 32) {
                 const float p = exp2f(sc[g * L + i] - mx);
                 sc[g * L + i] = p;
                 sum += p;
             }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            sum = warp_sum(sum);
             if (lane == 0) { s_m[g] = mx; s_l[g] = sum; }
         }
         __syncthreads();
@@ -367,8 +365,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             wsp[g * nsplit + k] = lk > 0.f ? mk : -INFINITY;
             if (lk > 0.f) M = fmaxf(M, mk);
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        M = warp_max(M);
         float den = 0.f;
         for (int k = lane; k < nsplit; k += 32) {
             const float mk = wsp[g * nsplit + k];
@@ -376,8 +373,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             den += w * __ldcg(pb + ((size_t)k * GMAX + g) * PSTRIDE + 1);
             wsp[g * nsplit + k] = w;
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+        den = warp_sum(den);
         const float inv = 1.f / den;  // den > 0: the split holding position[b] always has l > 0
         for (int k = lane; k < nsplit; k += 32) wsp[g * nsplit + k] *= inv;
     }

@@ -103,8 +103,7 @@ __global__ void __launch_bounds__(kThreads) u_kernel(const T* __restrict__ h, Pa
     for (int b = wid; b < B; b += kThreads / 32) {
         float sq = 0.f;
         for (int k = lane; k < len; k += 32) sq = fmaf(hs[b][k], hs[b][k], sq);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sq = warp_sum(sq);
         if (lane == 0) s_ssq[b] = sq;
     }
     __syncthreads();
@@ -370,8 +369,8 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
 #pragma unroll
     for (int j = 0; j < KPT; ++j) {
         const uint32_t kp = key[j] >> (32 - kFilterBits);
-        above += kp > pre && key[j] != 0u;
-        ncand += kp == pre && key[j] != 0u;
+        above += kp > pre;                   // padding (key 0) has prefix 0: never above
+        ncand += kp == pre && key[j] != 0u;  // ... but shares a prefix of 0
     }
     above = block_count(above, s_cnt, parity);
     ncand = block_count(ncand, s_cnt, parity);

@@ -166,8 +166,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 float t = dot[m][b];
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+                t = warp_sum(t);
                 if (lane == 0) rb[wid * NV + m * NB + b] = t;
             }
         __syncthreads();
