@@ -167,8 +167,11 @@ def bench_opt13b(args) -> list[dict]:
 
     for b in args.batches:
         measure("dense (cuBLAS, CUDA graph)", w_dense_kv, dense=True, batch=b)
-        measure("sparse 25%/20%, kv dense", w_dense_kv, dense=False, batch=b, ops=args.ops)
+        if not args.core:
+            measure("sparse 25%/20%, kv dense", w_dense_kv, dense=False, batch=b, ops=args.ops)
         measure("sparse 25%/20%, kv active", w_active, dense=False, batch=b, ops=args.ops)
+    if args.core:
+        return rows
     measure("ablation: sparse kv active, same stream", w_active, dense=False, batch=1, ops=args.ops, side_stream=False)
     if args.ops != "torch":
         measure("ablation: sparse kv active, fixed indices (no predictor)", w_active, dense=False, batch=1,
@@ -253,6 +256,8 @@ def main(argv=None):
     p.add_argument("--hf-tokens", type=int, default=32)
     p.add_argument("--profile-step", action="store_true",
                    help="per-kernel device times of eager OPT-13B-shape sparse decode steps (torch.profiler)")
+    p.add_argument("--core", action="store_true",
+                   help="with --opt13b: only dense and sparse (kv active) per batch; no ablations, no HF eager")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

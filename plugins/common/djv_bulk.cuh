@@ -101,6 +101,15 @@ __device__ __forceinline__ void pdl_wait_primary() {
 // Launch with programmatic stream serialization (sm_90): the kernel may start while the previous kernel of the
 // stream still runs, and must call pdl_wait_primary() before touching anything that kernel writes. Plain
 // launch below sm_90 or when DJV_NO_PDL is set in the environment (for ablations).
+//
+// The chain's rule: every kernel launched this way calls pdl_launch_dependents() only after its own
+// pdl_wait_primary() (in at least one CTA; CTAs that exit without waiting count as triggered). So when
+// kernel n+1 starts, kernel n-1 has completed and its writes are visible; and since no kernel writes to
+// global memory before its wait, a kernel that starts early can race with nothing. What the chain saves is
+// the launch latency between kernels (the next grid is resident and waiting). Reading weights before the
+// wait was measured too (L2 prefetch, or the first loads / bulk copies issued before it, benchmarks/
+// RESULTS.md, session 5) and made the decode step slower: the early loads delay the short kernel they
+// wait for.
 inline bool pdl_enabled() {
     static const bool env_off = getenv("DJV_NO_PDL") != nullptr;
     return !env_off && is_sm90_or_newer();

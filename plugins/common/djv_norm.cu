@@ -4,7 +4,7 @@
 // registers (16-byte loads), two-pass variance, one rounding for LayerNorm; RMSNorm rounds as HF's
 // LlamaRMSNorm does (normalise in fp32, round, then scale in the I/O dtype).
 #include "dejavu_kernels.h"
-#include "djv_device.cuh"
+#include "djv_bulk.cuh"
 
 namespace {
 using namespace djv;
@@ -28,6 +28,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) norm_kernel(const T* x, const
                                                                const T* __restrict__ b, T* y, int d,
                                                                int rms, float eps) {
     __shared__ float s1[32], s2[32];
+    pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
+    pdl_launch_dependents();
     const int nv = d / 8;
     const T* xr = x + (size_t)blockIdx.x * d;
     float v[VPT][8];
@@ -82,12 +84,10 @@ int run_norm(const void* x, const void* w, const void* b, void* y, int rows, int
     const int threads = nv <= kNormMaxThreads ? cdiv(nv, 32) * 32 : kNormMaxThreads;
     const int vpt = cdiv(nv, threads);
     auto args = [&](auto kern) {
-        kern<<<rows, threads, 0, st>>>(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(b),
-                                       static_cast<T*>(y), d, rms, eps);
+        return launch_pdl(kern, dim3(rows), dim3(threads), 0, st, static_cast<const T*>(x), static_cast<const T*>(w),
+                          static_cast<const T*>(b), static_cast<T*>(y), d, rms, eps);
     };
-    if (vpt == 1) args(norm_kernel<T, 1>);
-    else args(norm_kernel<T, 2>);
-    return (int)cudaGetLastError();
+    return (int)(vpt == 1 ? args(norm_kernel<T, 1>) : args(norm_kernel<T, 2>));
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

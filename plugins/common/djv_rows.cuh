@@ -23,12 +23,16 @@ inline bool use_rows(int B) { return B <= 4; }
 // steps = 256-element chunks of d. epi(item, v) runs on all lanes with v[mat][b] = W_mat[row] . x[b]
 // summed over all of d; rows(item, r) points r at each matrix's row, or returns false to skip the item
 // (a choice that must depend on the item only).
+// Kernels built on this are launched with programmatic dependent launch (djv_bulk.cuh): it starts by
+// waiting for the kernel before, which writes x, then lets the next kernel launch.
 template <typename T, int NB, int NMAT, typename RowsF, typename EpiF>
 __device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int d, float* __restrict__ part,
                                              unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi) {
     constexpr int U = 8 / NMAT;  // 8 independent 16-byte weight loads in flight per lane
     constexpr int SLOT = NMAT * NB;
     const int lane = threadIdx.x & 31;
+    pdl_wait_primary();
+    pdl_launch_dependents();
     const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     long long s = (long long)gw * sk.q;
     const long long s_end = s + sk.q < sk.total ? s + sk.q : sk.total;
@@ -134,6 +138,7 @@ __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __res
                                                                   const T* __restrict__ w, const T* __restrict__ bias,
                                                                   const T* residual, T* y, float* __restrict__ part,
                                                                   int B, int d, RowsDownPlan p) {
+    pdl_wait_primary();  // launched early (launch_down): act comes from the kernel before
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
     const int lane = threadIdx.x & 31;
     const int gw = blockIdx.x * (kSkThreads / 32) + (threadIdx.x >> 5);
@@ -199,6 +204,7 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
                                                           const T* residual, T* y, int B, int d, int C) {
     __shared__ float4 red[kReduceLanes][16];
     pdl_wait_primary();  // launched early (launch_rows_reduce): the partials come from the kernel before
+    pdl_launch_dependents();
     const int cl = threadIdx.x & 15, kl = threadIdx.x >> 4;
     const int b = blockIdx.y, c4 = blockIdx.x * 16 + cl;  // float4 column
     const bool ok = c4 * 4 < d;
@@ -246,18 +252,20 @@ inline size_t down_part_floats(int B, int d, int M, int Mpad) {
 }
 
 // act: [16][Mpad]. Batch > 4: rows >= B and padded entries (m >= M) must be zero; batch <= 4 reads rows < B
-// and entries m < M only.
+// and entries m < M only. Batch <= 4 is launched with programmatic dependent launch (djv_bulk.cuh).
 template <typename T>
 inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int bs, int M, const T* w, const T* bias,
                                const T* residual, T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
     if (!use_rows(B)) return launch_down_mma<T>(act, Mpad, idx, bs, M, w, bias, residual, y, part, ctr, B, d, st);
     const RowsDownPlan p = plan_rows_down(d, M);
     const int ctas = cdiv(p.C * p.S, kSkThreads / 32);
-    switch (rows_nb(B)) {
-    case 1: rows_down_kernel<T, 1><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, residual, y, part, B, d, p); break;
-    case 2: rows_down_kernel<T, 2><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, residual, y, part, B, d, p); break;
-    default: rows_down_kernel<T, 4><<<ctas, kSkThreads, 0, st>>>(act, Mpad, idx, bs, M, w, bias, residual, y, part, B, d, p); break;
-    }
+    auto go = [&](auto kern) {
+        return launch_pdl(kern, dim3(ctas), dim3(kSkThreads), 0, st, act, Mpad, idx, bs, M, w, bias, residual, y, part,
+                          B, d, p);
+    };
+    cudaError_t e = rows_nb(B) == 1 ? go(rows_down_kernel<T, 1>)
+                                    : (rows_nb(B) == 2 ? go(rows_down_kernel<T, 2>) : go(rows_down_kernel<T, 4>));
+    if (e != cudaSuccess) return e;
     if (p.C > 1) return launch_rows_reduce<T>(part, bias, residual, y, B, d, p.C, st);
     return cudaGetLastError();
 }

@@ -122,7 +122,8 @@ __global__ void __launch_bounds__(kSkThreads, 2) qkv_rows_kernel(
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
     float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
-    pdl_launch_dependents();  // the attention kernel may start its KV-cache reads now
+    // Launched early (launch_pdl): streamk_rows waits for the kernel before (x), then lets the attention
+    // kernel launch and start its KV-cache reads.
     const int lane = threadIdx.x & 31;
     const int qr = Kh * hd, kr = nslots * hd;
     auto which_of = [&](int item) { return item < qr ? 0 : (item < qr + kr ? 1 : 2); };
@@ -197,6 +198,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         const int kv = s_info[0];
         if (kv < 0) return;
         pdl_wait_primary();  // the new K/V come from the projection kernel
+        pdl_launch_dependents();
         const float* kr = qkv_b + (size_t)Kh * HD + (size_t)slot * HD;
         const float* vr = kr + (size_t)nslots * HD;
         const size_t off = (((size_t)b * Hkv + kv) * Tlen + pos) * HD;
@@ -242,6 +244,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             vpre[j] = (t < t1 && t != pos) ? ld_stream(vbase + (size_t)t * HD) : zero4();
         }
         pdl_wait_primary();
+        pdl_launch_dependents();  // the output projection may launch (it waits for this grid)
         for (int i = tid; i < G * HD; i += blockDim.x) {
             const int g = i / HD, e = i % HD;
             const float* qr = qkv_b + (size_t)(st + g) * HD;
@@ -347,9 +350,13 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             mypart[g * PSTRIDE + 2 + e] = s;
         }
         if (tid < G) { mypart[tid * PSTRIDE] = s_m[tid]; mypart[tid * PSTRIDE + 1] = s_l[tid]; }
-    } else if (tid < GMAX) {  // split past position[b]: an empty partial (skipped when merging)
-        mypart[tid * PSTRIDE] = -INFINITY;
-        mypart[tid * PSTRIDE + 1] = 0.f;
+    } else {  // split past position[b]: an empty partial (skipped when merging)
+        pdl_wait_primary();  // no writes before the wait (djv_bulk.cuh)
+        pdl_launch_dependents();
+        if (tid < GMAX) {
+            mypart[tid * PSTRIDE] = -INFINITY;
+            mypart[tid * PSTRIDE + 1] = 0.f;
+        }
     }
     if (!last_arrival(ctr + (size_t)b * Kh + x, (unsigned)nsplit)) return;
     // Merge the splits' partial softmaxes. Each split's weight exp2(m_k - M) / den is computed once per head
@@ -471,18 +478,19 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.ksplit)
 #define DJV_ROWS(NB)                                                                                                   \
-    qkv_rows_kernel<T, NB><<<streamk_ctas(p.proj), kSkThreads, 0, st>>>(                                              \
+    launch_pdl(qkv_rows_kernel<T, NB>, dim3(streamk_ctas(p.proj)), dim3(kSkThreads), 0, st,                           \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
+    cudaError_t e = cudaSuccess;
     if (!use_rows(B)) {
         if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
-    } else if (rows_nb(B) == 1) DJV_ROWS(1);
-    else if (rows_nb(B) == 2) DJV_ROWS(2);
-    else DJV_ROWS(4);
+    } else if (rows_nb(B) == 1) e = DJV_ROWS(1);
+    else if (rows_nb(B) == 2) e = DJV_ROWS(2);
+    else e = DJV_ROWS(4);
 #undef DJV_PROJ
 #undef DJV_ROWS
-    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
     const T* rct = static_cast<const T*>(rc);

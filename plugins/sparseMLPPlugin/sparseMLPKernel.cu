@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
     const unsigned seg_bytes = (unsigned)d * sizeof(T);
     const uint64_t pol = l2_evict_first_policy();
+    pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
 
     auto issue = [&](int j) {  // thread 0: neuron j's rows into stage j % stages
@@ -224,8 +225,8 @@ cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs,
     auto* k = mlp_bulk_kernel<T, NB, ACT, VPT>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
-    k<<<bp.ctas, bp.threads, bp.smem, st>>>(x, idx, bs, wg, wu, bu, wd, part, B, d, bp);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    e = launch_pdl(k, dim3(bp.ctas), dim3(bp.threads), bp.smem, st, x, idx, bs, wg, wu, bu, wd, part, B, d, bp);
+    if (e != cudaSuccess) return e;
     return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st);
 }
 
@@ -381,9 +382,8 @@ cudaError_t run_up(const MlpPlan& p, const T* x, const int32_t* idx, int bs, con
 template <typename T, int NB, int ACT>
 cudaError_t run_rows_up(const MlpPlan& p, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
                         const T* bu, T* act, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
-    mlp_rows_up_kernel<T, NB, ACT><<<streamk_ctas(p.up), kSkThreads, 0, st>>>(x, idx, bs, p.M, p.Mpad, wg, wu, bu,
-                                                                               act, part, ctr, B, d, p.up);
-    return cudaGetLastError();
+    return launch_pdl(mlp_rows_up_kernel<T, NB, ACT>, dim3(streamk_ctas(p.up)), dim3(kSkThreads), 0, st, x, idx, bs,
+                      p.M, p.Mpad, wg, wu, bu, act, part, ctr, B, d, p.up);
 }
 
 template <typename T, int ACT>
