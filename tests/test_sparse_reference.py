@@ -170,13 +170,30 @@ def test_batched_and_decode_paths_agree_opt(tiny_opt, tiny_opt_workdir):
 
 
 def test_oracle_beats_predicted_opt(tiny_opt, tiny_opt_workdir):
+    """Hindsight (oracle) selection loses less than the predictors' selection, checked per part.
+
+    The MLP oracle keeps the largest true activations, the best a selection can do, so it must beat the
+    predictors. The head oracle is a proxy (the norm of each head's output contribution), so it only has
+    to come close. With both parts sparse they interact on this weak tiny model, and no order holds. One
+    machine's tiny OPT gave oracle 376.9 vs predicted 316.2 at 25% MLP / 50% heads (dense 267.6). The
+    predictors, trained on dense activations, skip neurons that the pruned heads' errors excite; the
+    oracle keeps them. Training the tiny OPT on another CPU gives another model."""
     wd, preds = _open(tiny_opt_workdir)
     ids = _windows(wd, 1024)
-    plan = SparsityPlan.from_fractions(tiny_opt.dims, 0.25, 0.5, preds.block_size)
-    dense = evaluate_selection(tiny_opt.adapter, plan, "dense", ids)
-    pred = evaluate_selection(tiny_opt.adapter, plan, "predicted", ids, preds)
-    oracle = evaluate_selection(tiny_opt.adapter, plan, "oracle", ids)
+
+    def run(mlp, heads):
+        plan = SparsityPlan.from_fractions(tiny_opt.dims, mlp, heads, preds.block_size)
+        return (evaluate_selection(tiny_opt.adapter, plan, "predicted", ids, preds),
+                evaluate_selection(tiny_opt.adapter, plan, "oracle", ids))
+
+    everything = SparsityPlan.from_fractions(tiny_opt.dims, 1.0, 1.0, preds.block_size)
+    dense = evaluate_selection(tiny_opt.adapter, everything, "dense", ids)
+    pred, oracle = run(0.25, 1.0)
     assert dense.ppl < oracle.ppl <= pred.ppl
+    pred, oracle = run(1.0, 0.5)
+    assert dense.ppl < oracle.ppl <= 1.05 * pred.ppl
+    pred, oracle = run(0.25, 0.5)
+    assert dense.ppl < min(oracle.ppl, pred.ppl)
     assert 0 < pred.stats.recall_mlp <= 1 and 0 < pred.stats.recall_heads <= 1
     assert all(r is not None for r in pred.stats.recall_mlp_per_layer)
 
