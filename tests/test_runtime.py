@@ -36,7 +36,7 @@ def _predictors(dims, seed=1):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(smollm2):  # smollm2: converts the GGUF into the cached folder on a fresh machine
     from transformers import AutoTokenizer
 
     from dejavu_trt.models.loading import locate

@@ -106,11 +106,15 @@ class Decoder:
             h = h + self.w.positions[positions.long() + self.w.config.position_offset]
         return h
 
-    def norm(self, x, which: str, lw: LayerWeights | None = None):
+    def norm_args(self, which: str, lw: LayerWeights | None = None) -> tuple:
+        """(weight, bias, kind, eps) of the final norm or of a layer's attn_norm / mlp_norm."""
         d = self.dims
         if which == "final":
-            return self.ops.norm(x, self.w.final_norm[0], self.w.final_norm[1], d.norm, d.norm_eps)
-        return self.ops.norm(x, lw[f"{which}.weight"], lw[f"{which}.bias"], d.norm, d.norm_eps)
+            return self.w.final_norm[0], self.w.final_norm[1], d.norm, d.norm_eps
+        return lw[f"{which}.weight"], lw[f"{which}.bias"], d.norm, d.norm_eps
+
+    def norm(self, x, which: str, lw: LayerWeights | None = None):
+        return self.ops.norm(x, *self.norm_args(which, lw))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(h, "final"), self.w.lm_head).float()
@@ -161,29 +165,32 @@ class Decoder:
             self._predict(0, h, idx)
             if L > 1:
                 events[1] = self._launch_predictor(1, h, idx)
+        x = self.norm(h, "attn_norm", self.w.layers[0])
         for i, lw in enumerate(self.w.layers):
             if sparse and i >= 1 and i + 1 < L:
                 events[i + 1] = self._launch_predictor(i + 1, h, idx)  # reads layer i's input
             if events[i] is not None:
                 torch.cuda.current_stream().wait_event(events[i])
-            x = self.norm(h, "attn_norm", lw)
             scale = self.w.config.attention_scale[i]
-            if sparse:  # h + op(x): the kernels fuse the residual add (a new tensor: the side stream reads h)
-                mlp_idx, head_idx = idx[i]
-                h = self.ops.attention_residual(h, x, head_idx, position, lw, k_caches[i], v_caches[i], dims=d,
-                                                scale=scale, rope=rope, kv_policy=self.kv_policy, ctx=ctx)
+            # The norm after each op: the next layer's attn_norm after the MLP, the final norm after the last.
+            mlp_norm = self.norm_args("mlp_norm", lw)
+            next_norm = self.norm_args("attn_norm", self.w.layers[i + 1]) if i + 1 < L else self.norm_args("final")
+            if sparse:  # (h + op(x), norm(...)): the kernels fuse the residual add and the norm (a new tensor:
+                mlp_idx, head_idx = idx[i]  # the side stream reads h)
+                h, x = self.ops.attention_residual_norm(h, x, head_idx, position, lw, k_caches[i], v_caches[i],
+                                                        mlp_norm, dims=d, scale=scale, rope=rope,
+                                                        kv_policy=self.kv_policy, ctx=ctx)
+                if self.record is not None:
+                    self.record.append((i, x, mlp_idx))
+                h, x = self.ops.mlp_residual_norm(h, x, mlp_idx, lw, d.activation, self.block, next_norm)
             else:
                 h = h + self.ops.dense_attention(x, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale,
                                                  rope=rope, ctx=ctx)
-            x = self.norm(h, "mlp_norm", lw)
-            if sparse:
-                if self.record is not None:
-                    self.record.append((i, x, mlp_idx))
-                h = self.ops.mlp_residual(h, x, mlp_idx, lw, d.activation, self.block)
-            else:
+                x = self.ops.norm(h, *mlp_norm)
                 h = h + self.ops.dense_mlp(x, lw, d.activation, self.block)
+                x = self.ops.norm(h, *next_norm)
             inputs.append(h)
-        return self.logits(h)
+        return F.linear(x, self.w.lm_head).float()  # x: the final norm of h
 
     def _launch_predictor(self, layer: int, h: torch.Tensor, idx: list):
         """Predictor for `layer` on the side stream (or inline when there is none); returns the join event."""
