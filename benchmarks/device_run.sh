@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (the device tool): build libdejavu_kernels from this tree, run the GPU tests,
+# then the benchmark steps named as arguments. Each step's full log goes to $OUT/logs/<step>.log, packed
+# into $OUT/logs.tgz at the end (the device tool returns at most 8 files); one summary line per step and the
+# benchmarks' result lines are printed, so the call's reply ends with a short table.
+#
+#   bash benchmarks/device_run.sh tests tests-portable attn-ab e2e-ab
+#
+# Steps: tests (pytest tests/gpu), tests-portable (DJV_NO_BULK=1 DJV_TOPK_R8=1: the sm_80 kernels on the
+# H200), tests-nopdl, kernels (bench_kernels --focus), attn-ab / mlp (bench_kernels, attention / MLP only,
+# with and without the look-ahead L2 prefetches), e2e (bench_e2e --opt13b, all batches + HF eager),
+# e2e-ab (bench_e2e --core at B=1/4: default, DJV_NO_NORM_FUSE=1, DJV_L2_AHEAD=0, default again),
+# profile (bench_e2e --profile-step).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-device-out}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"' EXIT
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+echo "tree $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +dirty)"
+t0=$(date +%s)
+if ! $PY -m dejavu_trt.kernels.build > "$LOGS/build.log" 2>&1; then tail -30 "$LOGS/build.log"; exit 1; fi
+echo "build $(( $(date +%s) - t0 ))s"
+
+run() {  # run NAME ENV... -- CMD...: log to $OUT/NAME.log, print rc, time and the last line
+    local name=$1; shift
+    local envs=()
+    while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+    shift
+    local t=$(date +%s)
+    env "${envs[@]}" "$@" > "$LOGS/$name.log" 2>&1
+    local rc=$?
+    printf '%-22s rc=%d %4ds  %s\n' "$name" "$rc" "$(( $(date +%s) - t ))" "$(tail -1 "$LOGS/$name.log" | cut -c1-150)"
+    # result lines: kernel-benchmark rows, end-to-end rows (compacted)
+    grep -E '^(mlp|attn|predictor) ' "$LOGS/$name.log" | cut -c1-150
+    grep -E '"config"' "$LOGS/$name.log" | sed -E 's/.*"config": "([^"]*)", "batch": ([0-9]+).*"tbt_ms_p50": ([0-9.]+).*/  \1 B=\2 p50 \3 ms/' | cut -c1-150
+}
+
+E2E_CORE=(benchmarks/bench_e2e.py --opt13b --core --batches 1 4)
+for step in "$@"; do
+    case $step in
+    tests) run tests -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu ;;
+    tests-portable) run tests-portable DJV_NO_BULK=1 DJV_TOPK_R8=1 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu ;;
+    tests-nopdl) run tests-nopdl DJV_NO_PDL=1 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k kernel ;;
+    kernels) run kernels -- $PY benchmarks/bench_kernels.py --focus --only mlp,attn,pred --json "$LOGS/kernels.json" ;;
+    mlp) run mlp -- $PY benchmarks/bench_kernels.py --focus --only mlp --json "$LOGS/mlp.json" ;;
+    attn-ab)
+        for m in 3 0 1 2; do
+            run "attn-ahead$m" DJV_L2_AHEAD=$m -- $PY benchmarks/bench_kernels.py --focus --quick --only attn \
+                --json "$LOGS/attn-ahead$m.json"
+        done ;;
+    e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
+    e2e-ab)
+        run e2e-default -- $PY "${E2E_CORE[@]}" --json-out "$LOGS/e2e-default.json"
+        run e2e-nonormfuse DJV_NO_NORM_FUSE=1 -- $PY "${E2E_CORE[@]}" --json-out "$LOGS/e2e-nonormfuse.json"
+        run e2e-ahead0 DJV_L2_AHEAD=0 -- $PY "${E2E_CORE[@]}" --json-out "$LOGS/e2e-ahead0.json"
+        run e2e-default2 -- $PY "${E2E_CORE[@]}" --json-out "$LOGS/e2e-default2.json" ;;
+    profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+    esac
+done
+echo "total $(( $(date +%s) - t0 ))s"
