@@ -7,10 +7,9 @@
 #   bash benchmarks/device_run.sh tests tests-portable attn-ab e2e-ab
 #
 # Steps: tests (pytest tests/gpu), tests-portable (DJV_NO_BULK=1 DJV_TOPK_R8=1: the sm_80 kernels on the
-# H200), tests-nopdl, kernels (bench_kernels --focus), attn-ab / mlp (bench_kernels, attention / MLP only,
-# with and without the look-ahead L2 prefetches), e2e (bench_e2e --opt13b, all batches + HF eager),
-# e2e-ab (bench_e2e --core at B=1/4: default, DJV_NO_NORM_FUSE=1, DJV_L2_AHEAD=0, default again),
-# profile (bench_e2e --profile-step).
+# H200), tests-nopdl, kernels (bench_kernels --focus), attn / mlp (bench_kernels, OPT-13B attention / all
+# MLP shapes), e2e (bench_e2e --opt13b, all batches + HF eager), e2e-ab (bench_e2e --core at B=1/4 per
+# norm placement and predictor join, see the case), profile (bench_e2e --profile-step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -48,17 +47,14 @@ for step in "$@"; do
     tests-nopdl) run tests-nopdl DJV_NO_PDL=1 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k kernel ;;
     kernels) run kernels -- $PY benchmarks/bench_kernels.py --focus --only mlp,attn,pred --json "$LOGS/kernels.json" ;;
     mlp) run mlp -- $PY benchmarks/bench_kernels.py --focus --only mlp --json "$LOGS/mlp.json" ;;
-    attn-ab)
-        for m in 3 0 1 2; do
-            run "attn-ahead$m" DJV_L2_AHEAD=$m -- $PY benchmarks/bench_kernels.py --focus --quick --only attn \
-                --json "$LOGS/attn-ahead$m.json"
-        done ;;
+    attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
     e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
-    e2e-ab)
-        run e2e-default -- $PY "${E2E_CORE[@]}" --json-out "$LOGS/e2e-default.json"
-        run e2e-nonormfuse DJV_NO_NORM_FUSE=1 -- $PY "${E2E_CORE[@]}" --json-out "$LOGS/e2e-nonormfuse.json"
-        run e2e-ahead0 DJV_L2_AHEAD=0 -- $PY "${E2E_CORE[@]}" --json-out "$LOGS/e2e-ahead0.json"
-        run e2e-default2 -- $PY "${E2E_CORE[@]}" --json-out "$LOGS/e2e-default2.json" ;;
+    e2e-ab)  # where the decode step's norms run (DEJAVU_POST_NORM, dejavu_trt/runtime/decoder.py)
+        n=0
+        for mode in 0 attn all all-join 0 attn; do
+            n=$((n + 1))
+            run "e2e$n-post-norm-$mode" DEJAVU_POST_NORM=$mode -- $PY "${E2E_CORE[@]}"
+        done ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac

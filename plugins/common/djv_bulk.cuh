@@ -73,28 +73,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
 #endif
 }
 
-// Start moving [src, src + bytes) from HBM into L2 (no destination, no completion; 16-byte aligned, bytes a
-// multiple of 16). Used one kernel ahead: a latency-bound kernel that leaves HBM bandwidth idle warms L2 for
-// the data the next kernel of the op will read (l2_ahead_mask()).
-__device__ __forceinline__ void l2_prefetch(const void* src, unsigned bytes) {
-#ifdef DJV_BULK
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
-
-// Which look-ahead L2 prefetches run (sm_90): bit 0 the QKV kernel prefetches the KV-cache rows the attention
-// core reads, bit 1 the attention core prefetches the selected heads' output-projection rows. DJV_L2_AHEAD
-// in the environment overrides the default (both) for A/B runs.
-constexpr int kAheadKv = 1, kAheadWo = 2;
-inline int l2_ahead_mask() {
-    static const int m = [] {
-        const char* e = getenv("DJV_L2_AHEAD");
-        return e ? atoi(e) : kAheadKv | kAheadWo;
-    }();
-    return bulk_copy_supported() ? m : 0;
-}
-constexpr unsigned kPrefetchChunk = 32768;  // bytes per prefetch instruction
-
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
 #ifdef DJV_BULK
     asm volatile(

@@ -55,42 +55,6 @@ __device__ __forceinline__ float rope_at(const float* u, int e, int hd, const T*
 }
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f(from_f<T>(v)); }
 
-// Look-ahead L2 prefetches (l2_ahead_mask, djv_bulk.cuh), spread over a grid's threads t of n:
-// the KV-cache slots 0..position[b]-1 of each KV head the selected heads read (slot position[b] comes from
-// the fresh projection), issued by the QKV kernel for the attention core.
-template <typename T>
-__device__ __forceinline__ void prefetch_kv(const int32_t* __restrict__ hidx, int Kh, int group,
-                                            const int32_t* __restrict__ position, const T* kc, const T* vc, int B,
-                                            int Hkv, int Tlen, int hd, long long t, long long n) {
-    const size_t row = (size_t)hd * sizeof(T);
-    const int nch = (int)(((size_t)Tlen * row + kPrefetchChunk - 1) / kPrefetchChunk);
-    for (long long u = t; u < (long long)B * Kh * 2 * nch; u += n) {
-        const int chunk = (int)(u % nch), which = (int)(u / nch % 2), p = (int)(u / nch / 2 % Kh);
-        const int b = (int)(u / nch / 2 / Kh);
-        const int kv = __ldg(hidx + p) / group;
-        if (p > 0 && __ldg(hidx + p - 1) / group == kv) continue;  // the KV head's first selected head does it
-        const size_t have = (size_t)__ldg(position + b) * row, off = (size_t)chunk * kPrefetchChunk;
-        if (off >= have) continue;
-        const char* base = reinterpret_cast<const char*>(which ? vc : kc) + ((size_t)b * Hkv + kv) * Tlen * row;
-        l2_prefetch(base + off, (unsigned)(have - off < kPrefetchChunk ? have - off : kPrefetchChunk));
-    }
-}
-
-// The output projection's rows of the selected heads (head h: rows h*hd.. of w_o_t, one contiguous block),
-// issued by the attention core for the output projection.
-template <typename T>
-__device__ __forceinline__ void prefetch_wo(const int32_t* __restrict__ hidx, int Kh, const T* wo, int hd, int d,
-                                            long long t, long long n) {
-    const size_t blk = (size_t)hd * d * sizeof(T);
-    const int nch = (int)((blk + kPrefetchChunk - 1) / kPrefetchChunk);
-    for (long long u = t; u < (long long)Kh * nch; u += n) {
-        const int p = (int)(u / nch);
-        const size_t off = (size_t)(u % nch) * kPrefetchChunk;
-        l2_prefetch(reinterpret_cast<const char*>(wo) + (size_t)__ldg(hidx + p) * blk + off,
-                    (unsigned)(blk - off < kPrefetchChunk ? blk - off : kPrefetchChunk));
-    }
-}
-
 // Batch 5-16: tiles 0..qt-1 are Q rows of the selected heads; then K rows, then V rows, of the KV slots the
 // policy writes.
 template <typename T, int NT>
@@ -157,16 +121,10 @@ __global__ void __launch_bounds__(kSkThreads, 2) qkv_rows_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
-    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk, const int32_t* __restrict__ position,
-    const T* kc, const T* vc, int Tlen, int ahead) {
+    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
     // Launched early (launch_pdl): streamk_rows waits for the kernel before (x), then lets the attention
     // kernel launch and start its KV-cache reads.
     const int lane = threadIdx.x & 31;
-    if (ahead & kAheadKv) {  // after the wait, like every read here: this kernel leaves HBM bandwidth idle
-        pdl_wait_primary();  // (streamk_rows' own wait then returns at once)
-        prefetch_kv<T>(head_idx, Kh, H / Hkv, position, kc, vc, B, Hkv, Tlen, hd,
-                       (long long)blockIdx.x * blockDim.x + threadIdx.x, (long long)gridDim.x * blockDim.x);
-    }
     const int qr = Kh * hd, kr = nslots * hd;
     auto which_of = [&](int item) { return item < qr ? 0 : (item < qr + kr ? 1 : 2); };
     auto row_of = [&](int item, int which, int& head) {  // head -1: a KV slot unused this step
@@ -209,7 +167,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const float* __restrict__ qkv, int R, const int32_t* __restrict__ head_idx, const int32_t* __restrict__ position,
     const T* __restrict__ rcos, const T* __restrict__ rsin, T* __restrict__ kc, T* __restrict__ vc,
     float* __restrict__ part, unsigned* __restrict__ ctr, T* __restrict__ o_act, int H, int Hkv, int Kh, int Tlen,
-    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit, const T* __restrict__ wo, int d, int ahead) {
+    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit) {
     constexpr int TPR = HD / 8, RP = kAttnThreads / TPR, PSTRIDE = HD + 2;
     extern __shared__ float sm[];
     float* q_s = sm;                 // [GMAX][HD] (pre-scaled by scale*log2(e))
@@ -224,9 +182,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const int group = H / Hkv;
     const int pos = __ldg(position + b);
     const float* qkv_b = qkv + (size_t)b * R;
-    if ((ahead & kAheadWo) && b == 0)  // weights only (no dependency on the kernel before): read ahead
-        prefetch_wo<T>(head_idx, Kh, wo, HD, d, ((long long)z * gridDim.x + x) * blockDim.x + tid,
-                       (long long)gridDim.x * gridDim.z * blockDim.x);
 
     if (x >= Kh) {  // writer of KV slot x-Kh: the cache gets K (after RoPE) and V at slot pos
         const int slot = x - Kh;
@@ -483,25 +438,24 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
 template <typename T, int HD, int GM>
 cudaError_t launch_attn_g(const AttnPlan& p, const float* qkv, const int32_t* hidx, const int32_t* pos, const T* rc,
                         const T* rs, T* kc, T* vc, float* part, unsigned* ctr, T* o_act, int B, int H, int Hkv, int Kh,
-                        int Tlen, int rotary, float qscale, int policy, const T* wo, int d, cudaStream_t st) {
+                        int Tlen, int rotary, float qscale, int policy, cudaStream_t st) {
     cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, HD, GM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
     if (e != cudaSuccess) return e;
     dim3 grid(Kh + p.nslots, B, p.nsplit);
     // Programmatic dependent launch: the KV-cache reads overlap the tail of the QKV projection.
     return launch_pdl(attn_kernel<T, HD, GM>, grid, dim3(kAttnThreads), p.smem, st, qkv, p.R, hidx, pos, rc, rs, kc, vc,
-                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit, wo, d,
-                      use_rows(B) ? l2_ahead_mask() : 0);
+                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit);
 }
 
 template <typename T, int HD>
 cudaError_t launch_attn(const AttnPlan& p, const float* qkv, const int32_t* hidx, const int32_t* pos, const T* rc,
                         const T* rs, T* kc, T* vc, float* part, unsigned* ctr, T* o_act, int B, int H, int Hkv, int Kh,
-                        int Tlen, int rotary, float qscale, int policy, const T* wo, int d, cudaStream_t st) {
+                        int Tlen, int rotary, float qscale, int policy, cudaStream_t st) {
     if (H == Hkv)
         return launch_attn_g<T, HD, 1>(p, qkv, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, B, H, Hkv, Kh, Tlen, rotary,
-                                       qscale, policy, wo, d, st);
+                                       qscale, policy, st);
     return launch_attn_g<T, HD, GMAX>(p, qkv, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, B, H, Hkv, Kh, Tlen, rotary,
-                                      qscale, policy, wo, d, st);
+                                      qscale, policy, st);
 }
 
 template <typename T>
@@ -527,8 +481,7 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     launch_pdl(qkv_rows_kernel<T, NB>, dim3(streamk_ctas(p.proj)), dim3(kSkThreads), 0, st,                           \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
-        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj, pos, static_cast<const T*>(kc),               \
-        static_cast<const T*>(vc), Tlen, l2_ahead_mask())
+        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
     cudaError_t e = cudaSuccess;
     if (!use_rows(B)) {
         if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
@@ -544,14 +497,13 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     const T* rst = static_cast<const T*>(rs);
     T* kct = static_cast<T*>(kc);
     T* vct = static_cast<T*>(vc);
-    const T* wot = static_cast<const T*>(wo);
     switch (hd) {
     case 64: e = launch_attn<T, 64>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv, Kh,
-                                    Tlen, rotary, qscale, policy, wot, d, st); break;
+                                    Tlen, rotary, qscale, policy, st); break;
     case 128: e = launch_attn<T, 128>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv,
-                                      Kh, Tlen, rotary, qscale, policy, wot, d, st); break;
+                                      Kh, Tlen, rotary, qscale, policy, st); break;
     default: e = launch_attn<T, 256>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv,
-                                     Kh, Tlen, rotary, qscale, policy, wot, d, st); break;
+                                     Kh, Tlen, rotary, qscale, policy, st); break;
     }
     if (e != cudaSuccess) return (int)e;
     const PostNorm<T> pnv = post_norm_of<T>(post, ctr + p.ctr_total);
