@@ -22,15 +22,13 @@ Functions (fp16 or bf16 tensors, contiguous, on one CUDA device; index tensors i
     DejaVuSparseMLP; activation in {"relu", "gelu", "silu_glu"}; same keywords as
     ``dejavu_trt.ops.reference.sparse_mlp``. ``residual`` [B,d] (may be ``out``) is added to the result
     in fp32 before the one rounding (the executor's fused residual add; not part of the op contract).
-    ``post_norm=(weight, bias, kind, eps, out)`` also writes out = norm(y), as ``norm`` would (the
-    executor's next input norm, fused into the op's last reduction where it has one); returns (y, out).
 
 ``head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos,
                         rope_sin, k_cache, v_cache, *, num_heads, num_kv_heads, head_dim, rotary, scale,
                         kv_policy="dense", residual=None, out=None, workspace=None) -> (y, k_cache, v_cache)``
     DejaVuHeadSparseAttention; the caches [B,Hkv,T,hd] are updated IN PLACE and returned (the
     reference returns updated copies). Biases may be None (zero); rope tables may be None if rotary=0.
-    ``residual`` and ``post_norm`` as for ``sparse_mlp`` (with ``post_norm`` a 4-tuple is returned).
+    ``residual`` as for ``sparse_mlp``.
 
 ``norm(x, weight, bias=None, *, kind, eps, out=None) -> y``
     Row LayerNorm ("layernorm") or HF-style RMSNorm ("rmsnorm") over the last dimension, for the
@@ -56,27 +54,9 @@ _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
 _NORM = {"layernorm": 0, "rmsnorm": 1}
-ABI_VERSION = 4  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
+ABI_VERSION = 3  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
-
-
-class _PostNorm(ctypes.Structure):
-    """djv_post_norm of dejavu_kernels.h."""
-    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("kind", ctypes.c_int), ("eps", ctypes.c_float)]
-
-
-def _post_norm(post_norm, y):
-    """post_norm=(weight, bias, kind, eps, out) -> (djv_post_norm or None, out tensor or None)."""
-    if post_norm is None:
-        return None, None
-    import torch
-    weight, bias, kind, eps, out = post_norm
-    if out is None:
-        out = torch.empty_like(y)
-    return _PostNorm(_ptr(weight).value, _ptr(bias).value if bias is not None else None, _ptr(out).value,
-                     _NORM[kind], float(eps)), out
 
 
 class KernelsUnavailable(RuntimeError):
@@ -119,11 +99,11 @@ def open_library(path: str | Path) -> ctypes.CDLL:
     lib.djv_sparse_mlp_workspace_size.restype = Z
     lib.djv_sparse_mlp_workspace_size.argtypes = [I] * 6
     lib.djv_sparse_mlp.restype = I
-    lib.djv_sparse_mlp.argtypes = [P] * 9 + [ctypes.POINTER(_PostNorm)] + [I] * 7 + [P, Z, P]
+    lib.djv_sparse_mlp.argtypes = [P] * 9 + [I] * 7 + [P, Z, P]
     lib.djv_head_attention_workspace_size.restype = Z
     lib.djv_head_attention_workspace_size.argtypes = [I] * 8
     lib.djv_head_sparse_attention.restype = I
-    lib.djv_head_sparse_attention.argtypes = [P] * 17 + [ctypes.POINTER(_PostNorm)] + [I] * 8 + [F, I, I, P, Z, P]
+    lib.djv_head_sparse_attention.argtypes = [P] * 17 + [I] * 8 + [F, I, I, P, Z, P]
     lib.djv_norm.restype = I
     lib.djv_norm.argtypes = [P] * 4 + [I] * 3 + [F, I, P]
     if lib.djv_abi_version() != ABI_VERSION:
@@ -224,10 +204,8 @@ def predictor(h, mlp_a, mlp_b, head_a=None, head_b=None, *, kept_units: int, kep
 
 
 def sparse_mlp(x, idx, *, activation: str, block_size: int = 1, w_up, w_down_t, w_gate=None, b_up=None,
-               b_down=None, residual=None, out=None, workspace=None, post_norm=None):
-    """y = MLP(x) over the active blocks idx, plus `residual` when given (fp32 sum, one rounding).
-    With ``post_norm=(weight, bias, kind, eps, out)`` also out = norm(y) (out None: a new tensor), and the
-    call returns (y, out)."""
+               b_down=None, residual=None, out=None, workspace=None):
+    """y = MLP(x) over the active blocks idx, plus `residual` when given (fp32 sum, one rounding)."""
     import torch
     lib = load_library()
     B, d = x.shape
@@ -237,19 +215,16 @@ def sparse_mlp(x, idx, *, activation: str, block_size: int = 1, w_up, w_down_t, 
     y = torch.empty_like(x) if out is None else out
     ws = _workspace("sparse_mlp", lib.djv_sparse_mlp_workspace_size(B, d, N, K, block_size, act), x.device,
                     workspace)
-    pn, yn = _post_norm(post_norm, y)
     st = lib.djv_sparse_mlp(_ptr(x), _ptr(idx), _ptr(w_gate), _ptr(w_up), _ptr(b_up), _ptr(w_down_t),
-                            _ptr(b_down), _ptr(residual), _ptr(y), ctypes.byref(pn) if pn else None, B, d, N, K,
-                            block_size, act, _dtype_code(x), _ptr(ws), ws.numel(), _stream())
+                            _ptr(b_down), _ptr(residual), _ptr(y), B, d, N, K, block_size, act, _dtype_code(x), _ptr(ws),
+                            ws.numel(), _stream())
     _check(st, "sparse_mlp")
-    return y if pn is None else (y, yn)
+    return y
 
 
 def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos, rope_sin,
                           k_cache, v_cache, *, num_heads: int, num_kv_heads: int, head_dim: int, rotary: int,
-                          scale: float, kv_policy: str = "dense", residual=None, out=None, workspace=None,
-                          post_norm=None):
-    """Returns (y, k_cache, v_cache), or (y, k_cache, v_cache, norm(y)) with ``post_norm`` (see sparse_mlp)."""
+                          scale: float, kv_policy: str = "dense", residual=None, out=None, workspace=None):
     import torch
     lib = load_library()
     B, d = x.shape
@@ -259,14 +234,13 @@ def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k,
     y = torch.empty_like(x) if out is None else out
     ws = _workspace("head_attention", lib.djv_head_attention_workspace_size(
         B, d, num_heads, num_kv_heads, head_dim, Kh, T, pol), x.device, workspace)
-    pn, yn = _post_norm(post_norm, y)
     st = lib.djv_head_sparse_attention(
         _ptr(x), _ptr(head_idx), _ptr(position), _ptr(w_q), _ptr(w_k), _ptr(w_v), _ptr(w_o_t), _ptr(b_q),
         _ptr(b_k), _ptr(b_v), _ptr(b_o), _ptr(rope_cos) if rotary else None, _ptr(rope_sin) if rotary else None,
-        _ptr(k_cache), _ptr(v_cache), _ptr(residual), _ptr(y), ctypes.byref(pn) if pn else None, B, d, num_heads,
-        num_kv_heads, head_dim, Kh, T, int(rotary), float(scale), pol, _dtype_code(x), _ptr(ws), ws.numel(), _stream())
+        _ptr(k_cache), _ptr(v_cache), _ptr(residual), _ptr(y), B, d, num_heads, num_kv_heads, head_dim, Kh, T, int(rotary),
+        float(scale), pol, _dtype_code(x), _ptr(ws), ws.numel(), _stream())
     _check(st, "head_sparse_attention")
-    return (y, k_cache, v_cache) if pn is None else (y, k_cache, v_cache, yn)
+    return y, k_cache, v_cache
 
 
 def norm(x, weight, bias=None, *, kind: str, eps: float, out=None):

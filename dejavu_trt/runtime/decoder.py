@@ -6,7 +6,6 @@ the embeddings), so on a GPU it runs on a side stream while layer l runs, joined
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -99,12 +98,6 @@ class Decoder:
         self.kept_heads = w.config.heads_kept
         self.block = w.config.block_size
         self.record: list | None = None   # set to a list to capture (layer, mlp_input, mlp_idx) for metrics
-        # A/B knobs of the sparse step (benchmarks/RESULTS.md): DEJAVU_POST_NORM = "attn" (default: the
-        # attention op writes mlp_norm(h) too; attn_norm stays its own op, the first after the predictor join),
-        # "0" (every norm its own op), "all" (the MLP writes the next attn_norm too), "all-join" ("all" plus a
-        # tiny join kernel at the join); DEJAVU_EARLY_JOIN=1 joins layer l+1's predictor before layer l's MLP.
-        self.post_norms = os.environ.get("DEJAVU_POST_NORM", "attn")
-        self.early_join = os.environ.get("DEJAVU_EARLY_JOIN") == "1" and side_stream is not None
 
     # --- pieces ---------------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -113,15 +106,11 @@ class Decoder:
             h = h + self.w.positions[positions.long() + self.w.config.position_offset]
         return h
 
-    def norm_args(self, which: str, lw: LayerWeights | None = None) -> tuple:
-        """(weight, bias, kind, eps) of the final norm or of a layer's attn_norm / mlp_norm."""
+    def norm(self, x, which: str, lw: LayerWeights | None = None):
         d = self.dims
         if which == "final":
-            return self.w.final_norm[0], self.w.final_norm[1], d.norm, d.norm_eps
-        return lw[f"{which}.weight"], lw[f"{which}.bias"], d.norm, d.norm_eps
-
-    def norm(self, x, which: str, lw: LayerWeights | None = None):
-        return self.ops.norm(x, *self.norm_args(which, lw))
+            return self.ops.norm(x, self.w.final_norm[0], self.w.final_norm[1], d.norm, d.norm_eps)
+        return self.ops.norm(x, lw[f"{which}.weight"], lw[f"{which}.bias"], d.norm, d.norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(h, "final"), self.w.lm_head).float()
@@ -168,57 +157,32 @@ class Decoder:
         inputs = [h]  # kept alive for the whole step: the side stream may still be reading them
         ctx = self.ops.step_context(position, k_caches[0].shape[2], rope)
         sparse = not self.dense
-        fuse_attn = sparse and self.post_norms in ("attn", "all", "all-join")
-        fuse = sparse and self.post_norms in ("all", "all-join")
-        join_kernel = fuse and self.post_norms == "all-join"
-        main = torch.cuda.current_stream() if self.side_stream is not None else None
         if sparse:
             self._predict(0, h, idx)
             if L > 1:
                 events[1] = self._launch_predictor(1, h, idx)
-        if fuse:
-            x = self.norm(h, "attn_norm", self.w.layers[0])
         for i, lw in enumerate(self.w.layers):
             if sparse and i >= 1 and i + 1 < L:
                 events[i + 1] = self._launch_predictor(i + 1, h, idx)  # reads layer i's input
             if events[i] is not None:
-                main.wait_event(events[i])
-                events[i] = None
-                if join_kernel:  # measurement only: a one-row norm as the kernel that takes the join
-                    self._join_row = self.ops.norm(h[:1, :8], lw["attn_norm.weight"][:8], None, "rmsnorm", 1e-5)
-            if not fuse:
-                x = self.norm(h, "attn_norm", lw)
+                torch.cuda.current_stream().wait_event(events[i])
+            x = self.norm(h, "attn_norm", lw)
             scale = self.w.config.attention_scale[i]
-            # The norm after each op: mlp_norm after the attention; after the MLP the next layer's attn_norm
-            # (the final norm after the last layer).
-            mlp_norm = self.norm_args("mlp_norm", lw)
-            next_norm = self.norm_args("attn_norm", self.w.layers[i + 1]) if i + 1 < L else self.norm_args("final")
             if sparse:  # h + op(x): the kernels fuse the residual add (a new tensor: the side stream reads h)
                 mlp_idx, head_idx = idx[i]
-                kw = dict(dims=d, scale=scale, rope=rope, kv_policy=self.kv_policy, ctx=ctx)
-                if fuse_attn:  # ... and the next norm: (h', norm(h'))
-                    h, x = self.ops.attention_residual_norm(h, x, head_idx, position, lw, k_caches[i], v_caches[i],
-                                                            mlp_norm, **kw)
-                else:
-                    h = self.ops.attention_residual(h, x, head_idx, position, lw, k_caches[i], v_caches[i], **kw)
-                    x = self.ops.norm(h, *mlp_norm)
-                if self.record is not None:
-                    self.record.append((i, x, mlp_idx))
-                if self.early_join and i + 1 < L and events[i + 1] is not None:
-                    main.wait_event(events[i + 1])
-                    events[i + 1] = None
-                if fuse:
-                    h, x = self.ops.mlp_residual_norm(h, x, mlp_idx, lw, d.activation, self.block, next_norm)
-                else:
-                    h = self.ops.mlp_residual(h, x, mlp_idx, lw, d.activation, self.block)
+                h = self.ops.attention_residual(h, x, head_idx, position, lw, k_caches[i], v_caches[i], dims=d,
+                                                scale=scale, rope=rope, kv_policy=self.kv_policy, ctx=ctx)
             else:
                 h = h + self.ops.dense_attention(x, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale,
                                                  rope=rope, ctx=ctx)
-                x = self.ops.norm(h, *mlp_norm)
+            x = self.norm(h, "mlp_norm", lw)
+            if sparse:
+                if self.record is not None:
+                    self.record.append((i, x, mlp_idx))
+                h = self.ops.mlp_residual(h, x, mlp_idx, lw, d.activation, self.block)
+            else:
                 h = h + self.ops.dense_mlp(x, lw, d.activation, self.block)
             inputs.append(h)
-        if fuse:
-            return F.linear(x, self.w.lm_head).float()  # x: the final norm of h
         return self.logits(h)
 
     def _launch_predictor(self, layer: int, h: torch.Tensor, idx: list):

@@ -74,17 +74,6 @@ class ReferenceOps:
     def attention_residual(self, h, x, head_idx, position, lw: LayerWeights, k_cache, v_cache, **kw):
         return h + self.attention(x, head_idx, position, lw, k_cache, v_cache, **kw)
 
-    # ... and with the next norm, norm = (weight, bias, kind, eps): (h', norm(h')). The kernels fuse the norm
-    # into the op's last reduction (one launch fewer per op); the torch paths normalise afterwards.
-    def mlp_residual_norm(self, h, x, idx, lw: LayerWeights, activation: str, block_size: int, norm: tuple):
-        h = self.mlp_residual(h, x, idx, lw, activation, block_size)
-        return h, self.norm(h, *norm)
-
-    def attention_residual_norm(self, h, x, head_idx, position, lw: LayerWeights, k_cache, v_cache, norm: tuple,
-                                **kw):
-        h = self.attention_residual(h, x, head_idx, position, lw, k_cache, v_cache, **kw)
-        return h, self.norm(h, *norm)
-
     def attention(self, x, head_idx, position, lw: LayerWeights, k_cache, v_cache, *, dims, scale, rope,
                   kv_policy: str, ctx=None):
         cos, sin = rope if rope is not None else (torch.zeros(1), torch.zeros(1))
@@ -209,14 +198,10 @@ class KernelOps(TorchOps):
         if torch_predictor:
             self.name = "kernels+torch-predictor"
 
-    @staticmethod
-    def _norm_fits(x, weight, bias) -> bool:
-        d = x.shape[-1]
-        return x.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 16384 and x.is_contiguous() \
-            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
-
     def norm(self, x, weight, bias, kind, eps):
-        if self._norm_fits(x, weight, bias):
+        d = x.shape[-1]
+        if x.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 16384 and x.is_contiguous() \
+                and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
             return self.k.norm(x, weight, bias, kind=kind, eps=eps)
         return torch_norm(x, weight, bias, kind, eps)
 
@@ -237,18 +222,6 @@ class KernelOps(TorchOps):
     def attention_residual(self, h, x, head_idx, position, lw, k_cache, v_cache, **kw):
         return self.attention(x, head_idx, position, lw, k_cache, v_cache, residual=h, **kw)
 
-    def mlp_residual_norm(self, h, x, idx, lw, activation, block_size, norm):
-        if not self._norm_fits(h, norm[0], norm[1]):
-            return TorchOps.mlp_residual_norm(self, h, x, idx, lw, activation, block_size, norm)
-        return self.k.sparse_mlp(x, idx, activation=activation, block_size=block_size, w_up=lw.w_up,
-                                 w_down_t=lw.w_down_t, w_gate=lw.w_gate, b_up=lw.b_up, b_down=lw.b_down,
-                                 residual=h, post_norm=(*norm, None))
-
-    def attention_residual_norm(self, h, x, head_idx, position, lw, k_cache, v_cache, norm, **kw):
-        if not self._norm_fits(h, norm[0], norm[1]):
-            return TorchOps.attention_residual_norm(self, h, x, head_idx, position, lw, k_cache, v_cache, norm, **kw)
-        return self.attention(x, head_idx, position, lw, k_cache, v_cache, residual=h, post_norm=norm, **kw)
-
     def _rope_in(self, rope, dtype):
         """The kernels take every floating tensor in the activation dtype: cast the tables once."""
         if rope is None:
@@ -259,15 +232,13 @@ class KernelOps(TorchOps):
         return self._rope[key]
 
     def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy, ctx=None,
-                  residual=None, post_norm=None):
-        """y, or (y, norm(y)) with post_norm = (weight, bias, kind, eps)."""
+                  residual=None):
         cos, sin = self._rope_in(rope, x.dtype)
-        r = self.k.head_sparse_attention(
+        y, _, _ = self.k.head_sparse_attention(
             x, head_idx, position, lw.w_q, lw.w_k, lw.w_v, lw.w_o_t, lw.b_q, lw.b_k, lw.b_v, lw.b_o, cos, sin,
             k_cache, v_cache, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
-            rotary=int(rope is not None), scale=scale, kv_policy=kv_policy, residual=residual,
-            post_norm=None if post_norm is None else (*post_norm, None))
-        return r[0] if post_norm is None else (r[0], r[3])
+            rotary=int(rope is not None), scale=scale, kv_policy=kv_policy, residual=residual)
+        return y
 
 
 def make_ops(name):

@@ -31,8 +31,7 @@ extern "C" {
 #define DJV_API __attribute__((visibility("default")))
 #endif
 
-#define DJV_ABI_VERSION 4  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
-                              4: optional post_norm of the MLP and attention calls */
+#define DJV_ABI_VERSION 3  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm */
 
 enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
 enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
@@ -46,18 +45,6 @@ enum djv_status {
     DJV_E_WORKSPACE = -3,   /* workspace NULL or smaller than required */
     DJV_E_POINTER = -4,     /* a required pointer is NULL or misaligned */
 };
-
-/* Optional post-norm of the MLP and attention calls (the CUDA executor's next input norm; not part of the op
- * contract): out [B,d] = norm(y) exactly as djv_norm computes it from y, with weight/bias/kind/eps as there.
- * Fused into the op's last partial-sum reduction where it has one (its last CTA normalises the row), else
- * a separate norm launch; out must not be y. The struct is read when the call enqueues. */
-typedef struct djv_post_norm {
-    const void* weight;
-    const void* bias;
-    void* out;
-    int kind;
-    float eps;
-} djv_post_norm;
 
 DJV_API int djv_abi_version(void);
 DJV_API const char* djv_status_string(int status);
@@ -79,13 +66,12 @@ DJV_API int djv_lookahead_predictor(const void* h, const void* mlp_a, const void
 /* ---- DejaVuSparseMLP ----------------------------------------------------------------------
  * x [B,d], idx [K] int32 (block indices, ascending), w_up [N,d], w_gate [N,d] (silu_glu only),
  * b_up [N] (relu/gelu, may be NULL), w_down_t [N,d], b_down [d] (relu/gelu, may be NULL),
- * residual [B,d] (may be NULL; may be y itself) -> y [B,d] = residual + MLP(x), summed in fp32 and rounded once;
- * post_norm (may be NULL, see djv_post_norm) -> post_norm->out = norm(y).
- * Limits: 1 <= B <= 16, d % 8 == 0, 1 <= K, K*block_size <= N (d <= 16384 with post_norm). */
+ * residual [B,d] (may be NULL; may be y itself) -> y [B,d] = residual + MLP(x), summed in fp32 and rounded once.
+ * Limits: 1 <= B <= 16, d % 8 == 0, 1 <= K, K*block_size <= N. */
 DJV_API size_t djv_sparse_mlp_workspace_size(int B, int d, int N, int K, int block_size, int activation);
 DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w_up, const void* b_up,
-                           const void* w_down_t, const void* b_down, const void* residual, void* y,
-                           const djv_post_norm* post_norm, int B, int d, int N, int K,
+                           const void* w_down_t, const void* b_down, const void* residual, void* y, int B, int d,
+                           int N, int K,
                            int block_size, int activation, int dtype, void* workspace, size_t workspace_bytes,
                            cudaStream_t stream);
 
@@ -94,15 +80,14 @@ DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate
  * w_q [H*hd,d], w_k/w_v [Hkv*hd,d], w_o_t [H*hd,d], biases b_q [H*hd], b_k/b_v [Hkv*hd], b_o [d]
  * (each may be NULL = zero), rope_cos/rope_sin [T,hd/2] (used when rotary != 0),
  * k_cache/v_cache [B,Hkv,T,hd] updated in place at slot position[b], residual [B,d] (may be NULL; may be
- * y) -> y [B,d] = residual + attention output (fp32 sum, rounded once); post_norm as for djv_sparse_mlp.
+ * y) -> y [B,d] = residual + attention output (fp32 sum, rounded once).
  * Limits: 1 <= B <= 16, d % 8 == 0, hd % 16 == 0 and hd <= 256, H % Hkv == 0. */
 DJV_API size_t djv_head_attention_workspace_size(int B, int d, int H, int Hkv, int hd, int Kh, int T, int kv_policy);
 DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, const int32_t* position,
                                       const void* w_q, const void* w_k, const void* w_v, const void* w_o_t,
                                       const void* b_q, const void* b_k, const void* b_v, const void* b_o,
                                       const void* rope_cos, const void* rope_sin, void* k_cache, void* v_cache,
-                                      const void* residual, void* y, const djv_post_norm* post_norm, int B, int d,
-                                      int H, int Hkv, int hd, int Kh, int T, int rotary,
+                                      const void* residual, void* y, int B, int d, int H, int Hkv, int hd, int Kh, int T, int rotary,
                                       float scale, int kv_policy, int dtype, void* workspace,
                                       size_t workspace_bytes, cudaStream_t stream);
 

@@ -9,7 +9,6 @@
 #pragma once
 #include "djv_bulk.cuh"
 #include "djv_device.cuh"
-#include "djv_norm.cuh"
 
 namespace djv {
 
@@ -199,14 +198,10 @@ __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __res
 
 // y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias). CTA: 16 float4 columns x 16 chunk lanes,
 // so a column's partials are read by 16 threads at once (one L2 round trip per 16 chunks).
-// NVPT > 0 fuses a post-norm: the last CTA to finish batch row b (counter pn.ctr[b]) normalises the whole row,
-// NVPT 8-element vectors per thread (djv_norm.cuh), so the next layer's input needs no norm launch.
 constexpr int kReduceLanes = 16;
-constexpr int kReduceThreads = 256;
-template <typename T, int NVPT>
-__global__ void __launch_bounds__(kReduceThreads) rows_reduce_kernel(const float* __restrict__ part,
-                                                                     const T* __restrict__ bias, const T* residual,
-                                                                     T* y, int B, int d, int C, PostNorm<T> pn) {
+template <typename T>
+__global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
+                                                          const T* residual, T* y, int B, int d, int C) {
     __shared__ float4 red[kReduceLanes][16];
     pdl_wait_primary();  // launched early (launch_rows_reduce): the partials come from the kernel before
     pdl_launch_dependents();
@@ -223,69 +218,28 @@ __global__ void __launch_bounds__(kReduceThreads) rows_reduce_kernel(const float
     }
     red[kl][cl] = s;
     __syncthreads();
-    if (kl == 0 && ok) {
-        float4 t = red[0][cl];
+    if (kl != 0 || !ok) return;
+    float4 t = red[0][cl];
 #pragma unroll
-        for (int k = 1; k < kReduceLanes; ++k) {
-            t.x += red[k][cl].x; t.y += red[k][cl].y; t.z += red[k][cl].z; t.w += red[k][cl].w;
-        }
-        const int col = c4 * 4;
-        if (bias) { t.x += to_f(bias[col]); t.y += to_f(bias[col + 1]); t.z += to_f(bias[col + 2]); t.w += to_f(bias[col + 3]); }
-        if (residual) {  // y = residual + projection, one rounding (residual may be y itself: read before write)
-            const T* r = residual + (size_t)b * d + col;
-            t.x += to_f(r[0]); t.y += to_f(r[1]); t.z += to_f(r[2]); t.w += to_f(r[3]);
-        }
-        uint2 o;
-        o.x = pack2<T>(t.x, t.y);
-        o.y = pack2<T>(t.z, t.w);
-        *reinterpret_cast<uint2*>(y + (size_t)b * d + col) = o;
+    for (int k = 1; k < kReduceLanes; ++k) {
+        t.x += red[k][cl].x; t.y += red[k][cl].y; t.z += red[k][cl].z; t.w += red[k][cl].w;
     }
-    if (NVPT > 0) {
-        __shared__ float s1[32], s2[32];
-        if (!last_arrival(pn.ctr + b, gridDim.x)) return;
-        norm_row<T, (NVPT > 0 ? NVPT : 1), true>(y + (size_t)b * d, pn.w, pn.b, pn.out + (size_t)b * d, d, pn.rms,
-                                                 pn.eps, s1, s2);
+    const int col = c4 * 4;
+    if (bias) { t.x += to_f(bias[col]); t.y += to_f(bias[col + 1]); t.z += to_f(bias[col + 2]); t.w += to_f(bias[col + 3]); }
+    if (residual) {  // y = residual + projection, one rounding (residual may be y itself: read before write)
+        const T* r = residual + (size_t)b * d + col;
+        t.x += to_f(r[0]); t.y += to_f(r[1]); t.z += to_f(r[2]); t.w += to_f(r[3]);
     }
+    uint2 o;
+    o.x = pack2<T>(t.x, t.y);
+    o.y = pack2<T>(t.z, t.w);
+    *reinterpret_cast<uint2*>(y + (size_t)b * d + col) = o;
 }
 
-// Vectors per thread of the fused post-norm (0: none, or d too large for the reduce CTA's registers).
-inline int post_norm_vpt(int d) {
-    const int v = cdiv(d / 8, kReduceThreads);
-    return v <= 1 ? 1 : (v <= 2 ? 2 : (v <= 4 ? 4 : (v <= 8 ? 8 : 0)));
-}
-inline bool post_norm_fusable(int d) {
-    static const bool env_off = getenv("DJV_NO_NORM_FUSE") != nullptr;  // A/B: the separate norm launch
-    return !env_off && post_norm_vpt(d) > 0;
-}
-
-// pn: optional post-norm (pn->w != nullptr); fused into the reduction when post_norm_fusable(d).
 template <typename T>
 inline cudaError_t launch_rows_reduce(const float* part, const T* bias, const T* residual, T* y, int B, int d, int C,
-                                      cudaStream_t st, const PostNorm<T>* pn = nullptr) {
-    const dim3 grid(cdiv(d, 64), B);
-    PostNorm<T> none{};
-    if (!pn || !pn->w || !post_norm_fusable(d)) {
-        cudaError_t e = launch_pdl(rows_reduce_kernel<T, 0>, grid, dim3(kReduceThreads), 0, st, part, bias, residual, y,
-                                   B, d, C, none);
-        if (e != cudaSuccess || !pn || !pn->w) return e;
-        return launch_norm<T>(y, pn->w, pn->b, pn->out, B, d, pn->rms, pn->eps, st);
-    }
-    auto go = [&](auto kern) {
-        return launch_pdl(kern, grid, dim3(kReduceThreads), 0, st, part, bias, residual, y, B, d, C, *pn);
-    };
-    switch (post_norm_vpt(d)) {
-    case 1: return go(rows_reduce_kernel<T, 1>);
-    case 2: return go(rows_reduce_kernel<T, 2>);
-    case 4: return go(rows_reduce_kernel<T, 4>);
-    default: return go(rows_reduce_kernel<T, 8>);
-    }
-}
-
-// Finish an op whose last kernel wrote y without a reduction (nothing to fuse into): the separate norm.
-template <typename T>
-inline cudaError_t launch_post_norm(const T* y, int B, int d, const PostNorm<T>* pn, cudaStream_t st) {
-    if (!pn || !pn->w) return cudaSuccess;
-    return launch_norm<T>(y, pn->w, pn->b, pn->out, B, d, pn->rms, pn->eps, st);
+                                      cudaStream_t st) {
+    return launch_pdl(rows_reduce_kernel<T>, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, B, d, C);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -299,15 +253,10 @@ inline size_t down_part_floats(int B, int d, int M, int Mpad) {
 
 // act: [16][Mpad]. Batch > 4: rows >= B and padded entries (m >= M) must be zero; batch <= 4 reads rows < B
 // and entries m < M only. Batch <= 4 is launched with programmatic dependent launch (djv_bulk.cuh).
-// pn: optional post-norm, fused into the reduction kernel where there is one (else a separate norm launch).
 template <typename T>
 inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int bs, int M, const T* w, const T* bias,
-                               const T* residual, T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st,
-                               const PostNorm<T>* pn = nullptr) {
-    if (!use_rows(B)) {
-        const cudaError_t e = launch_down_mma<T>(act, Mpad, idx, bs, M, w, bias, residual, y, part, ctr, B, d, st);
-        return e != cudaSuccess ? e : launch_post_norm<T>(y, B, d, pn, st);
-    }
+                               const T* residual, T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
+    if (!use_rows(B)) return launch_down_mma<T>(act, Mpad, idx, bs, M, w, bias, residual, y, part, ctr, B, d, st);
     const RowsDownPlan p = plan_rows_down(d, M);
     const int ctas = cdiv(p.C * p.S, kSkThreads / 32);
     auto go = [&](auto kern) {
@@ -317,8 +266,8 @@ inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int b
     cudaError_t e = rows_nb(B) == 1 ? go(rows_down_kernel<T, 1>)
                                     : (rows_nb(B) == 2 ? go(rows_down_kernel<T, 2>) : go(rows_down_kernel<T, 4>));
     if (e != cudaSuccess) return e;
-    if (p.C > 1) return launch_rows_reduce<T>(part, bias, residual, y, B, d, p.C, st, pn);
-    return launch_post_norm<T>(y, B, d, pn, st);
+    if (p.C > 1) return launch_rows_reduce<T>(part, bias, residual, y, B, d, p.C, st);
+    return cudaGetLastError();
 }
 
 }  // namespace djv

@@ -461,8 +461,8 @@ cudaError_t launch_attn(const AttnPlan& p, const float* qkv, const int32_t* hidx
 template <typename T>
 int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void* wq, const void* wk, const void* wv,
              const void* wo, const void* bq, const void* bk, const void* bv, const void* bo, const void* rc,
-             const void* rs, void* kc, void* vc, const void* residual, void* y, const djv_post_norm* post, int B, int d,
-             int H, int Hkv, int hd, int Kh, int Tlen,
+             const void* rs, void* kc, void* vc, const void* residual, void* y, int B, int d, int H, int Hkv, int hd,
+             int Kh, int Tlen,
              int rotary, float scale, int policy, void* ws, cudaStream_t st) {
     const AttnPlan p = plan_attn(B, d, H, Hkv, hd, Kh, Tlen, policy, sizeof(T));
     char* base = static_cast<char*>(ws);
@@ -506,10 +506,8 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
                                      Kh, Tlen, rotary, qscale, policy, st); break;
     }
     if (e != cudaSuccess) return (int)e;
-    const PostNorm<T> pnv = post_norm_of<T>(post, ctr + p.ctr_total);
     e = launch_down<T>(o_act, p.Mo, hidx, hd, p.Mo, static_cast<const T*>(wo), static_cast<const T*>(bo),
-                       static_cast<const T*>(residual), static_cast<T*>(y), pdown, ctr + p.ctr_down, B, d, st,
-                       post ? &pnv : nullptr);
+                       static_cast<const T*>(residual), static_cast<T*>(y), pdown, ctr + p.ctr_down, B, d, st);
     return (int)e;
 }
 
@@ -533,8 +531,7 @@ DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, co
                                       const void* w_q, const void* w_k, const void* w_v, const void* w_o_t,
                                       const void* b_q, const void* b_k, const void* b_v, const void* b_o,
                                       const void* rope_cos, const void* rope_sin, void* k_cache, void* v_cache,
-                                      const void* residual, void* y, const djv_post_norm* post_norm, int B, int d,
-                                      int H, int Hkv, int hd, int Kh, int T, int rotary,
+                                      const void* residual, void* y, int B, int d, int H, int Hkv, int hd, int Kh, int T, int rotary,
                                       float scale, int kv_policy, int dtype, void* workspace,
                                       size_t workspace_bytes, cudaStream_t stream) {
     if (B < 1 || B > 16 || d < 8 || d % 8 || H < 1 || Hkv < 1 || H % Hkv || Kh < 1 || Kh > H || T < 1)
@@ -549,18 +546,16 @@ DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, co
         !aligned16(k_cache) || !aligned16(v_cache) || !aligned16(workspace) || !aligned16(y) ||
         (residual && !aligned16(residual)))
         return DJV_E_POINTER;
-    const int pn_status = check_post_norm(post_norm, y, d);
-    if (pn_status != DJV_OK) return pn_status;
     const AttnPlan p = plan_attn(B, d, H, Hkv, hd, Kh, T, kv_policy, 2);
     if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
-    if (p.ctr_total + 16 > kMaxCounters || p.nsplit > kMaxSplits) return DJV_E_SHAPE;  // + post-norm row counters
+    if (p.ctr_total > kMaxCounters || p.nsplit > kMaxSplits) return DJV_E_SHAPE;
     if (dtype == DJV_FLOAT16)
         return run_attn<__half>(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos, rope_sin,
-                                k_cache, v_cache, residual, y, post_norm, B, d, H, Hkv, hd, Kh, T, rotary, scale, kv_policy,
-                                workspace, stream);
+                                k_cache, v_cache, residual, y, B, d, H, Hkv, hd, Kh, T, rotary, scale, kv_policy, workspace,
+                                stream);
     return run_attn<__nv_bfloat16>(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos,
-                                   rope_sin, k_cache, v_cache, residual, y, post_norm, B, d, H, Hkv, hd, Kh, T, rotary, scale,
-                                   kv_policy, workspace, stream);
+                                   rope_sin, k_cache, v_cache, residual, y, B, d, H, Hkv, hd, Kh, T, rotary, scale, kv_policy,
+                                   workspace, stream);
 }
 
 }  // extern "C"

@@ -106,8 +106,7 @@ int32_t HeadSparseAttentionPlugin::enqueue(PluginTensorDesc const* in, PluginTen
     const int st = djv_head_sparse_attention(
         inputs[0], static_cast<int32_t const*>(inputs[1]), static_cast<int32_t const*>(inputs[2]), inputs[3],
         inputs[4], inputs[5], inputs[6], inputs[7], inputs[8], inputs[9], inputs[10], inputs[11], inputs[12],
-        outputs[1], outputs[2], /*residual: the graph keeps its Add*/ nullptr, outputs[0],
-        /*post-norm: the graph keeps its norm*/ nullptr, B, d, mA.numHeads, mA.numKvHeads, mA.headDim, mA.keptHeads, T, mA.rotary,
+        outputs[1], outputs[2], /*residual: the graph keeps its Add*/ nullptr, outputs[0], B, d, mA.numHeads, mA.numKvHeads, mA.headDim, mA.keptHeads, T, mA.rotary,
         mA.scale, mPolicy, toDjv(in[0].type), ws, bytes, stream);
     return st == 0 ? 0 : -1;
 }

@@ -221,22 +221,22 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
 template <typename T, int NB, int ACT, int VPT>
 cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
                      const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, int B, int d,
-                     const PostNorm<T>* pn, cudaStream_t st) {
+                     cudaStream_t st) {
     auto* k = mlp_bulk_kernel<T, NB, ACT, VPT>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
     e = launch_pdl(k, dim3(bp.ctas), dim3(bp.threads), bp.smem, st, x, idx, bs, wg, wu, bu, wd, part, B, d, bp);
     if (e != cudaSuccess) return e;
-    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st, pn);
+    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st);
 }
 
 template <typename T, int ACT>
 cudaError_t run_bulk_any(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg,
                          const T* wu, const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part,
-                         int B, int d, const PostNorm<T>* pn, cudaStream_t st) {
+                         int B, int d, cudaStream_t st) {
 #define DJV_BULK_CASE(NB_, VPT_)                                                                     \
     if (rows_nb(B) == NB_ && bp.vpt == VPT_)                                                         \
-        return run_bulk<T, NB_, ACT, VPT_>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, B, d, pn, st);
+        return run_bulk<T, NB_, ACT, VPT_>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, B, d, st);
     DJV_BULK_CASE(1, 1) DJV_BULK_CASE(1, 2) DJV_BULK_CASE(1, 4) DJV_BULK_CASE(1, 8)
     DJV_BULK_CASE(2, 1) DJV_BULK_CASE(2, 2) DJV_BULK_CASE(2, 4)
     DJV_BULK_CASE(4, 1) DJV_BULK_CASE(4, 2)
@@ -400,8 +400,9 @@ cudaError_t run_up_any(const MlpPlan& p, const T* x, const int32_t* idx, int bs,
 
 template <typename T>
 int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w_up, const void* b_up,
-            const void* w_down_t, const void* b_down, const void* residual, void* y, const djv_post_norm* post,
-            int B, int d, int K, int bs, int act, void* ws, cudaStream_t st) {
+            const void* w_down_t, const void* b_down, const void* residual, void* y, int B, int d, int K, int bs,
+            int act, void* ws,
+            cudaStream_t st) {
     const MlpPlan p = plan_mlp(B, d, K, bs, act, sizeof(T));
     char* base = static_cast<char*>(ws);
     unsigned* ctr_up = reinterpret_cast<unsigned*>(base);
@@ -417,13 +418,11 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     const T* wd = static_cast<const T*>(w_down_t);
     T* yt = static_cast<T*>(y);
     const T* rt = static_cast<const T*>(residual);
-    const PostNorm<T> pnv = post_norm_of<T>(post, ctr_down + down_counters(d));
-    const PostNorm<T>* pn = post ? &pnv : nullptr;
     if (p.bulk.ctas > 0) {
         switch (act) {
-        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, B, d, pn, st);
-        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, B, d, pn, st);
-        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, B, d, pn, st);
+        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, B, d, st);
+        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, B, d, st);
+        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, B, d, st);
         }
     }
     cudaError_t e;
@@ -433,7 +432,7 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     default: e = run_up_any<T, DJV_SILU_GLU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
     }
     if (e != cudaSuccess) return (int)e;
-    e = launch_down<T>(a, p.Mpad, idx, bs, p.M, wd, bd, rt, yt, pd, ctr_down, B, d, st, pn);
+    e = launch_down<T>(a, p.Mpad, idx, bs, p.M, wd, bd, rt, yt, pd, ctr_down, B, d, st);
     return (int)e;
 }
 
@@ -457,8 +456,8 @@ DJV_API size_t djv_sparse_mlp_workspace_size(int B, int d, int N, int K, int blo
 }
 
 DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w_up, const void* b_up,
-                           const void* w_down_t, const void* b_down, const void* residual, void* y,
-                           const djv_post_norm* post_norm, int B, int d, int N, int K,
+                           const void* w_down_t, const void* b_down, const void* residual, void* y, int B, int d,
+                           int N, int K,
                            int block_size, int activation, int dtype, void* workspace, size_t workspace_bytes,
                            cudaStream_t stream) {
     if (B < 1 || B > 16 || d < 8 || d % 8 || K < 1 || block_size < 1 || (long long)K * block_size > N)
@@ -470,16 +469,14 @@ DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate
         (residual && !aligned16(residual)) || !aligned16(y) ||
         !aligned16(workspace))
         return DJV_E_POINTER;
-    const int pn_status = check_post_norm(post_norm, y, d);
-    if (pn_status != DJV_OK) return pn_status;
     const MlpPlan p = plan_mlp(B, d, K, block_size, activation, 2);
     if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
-    if (p.up_items + down_counters(d) + 16 > kMaxCounters) return DJV_E_SHAPE;  // + the post-norm's row counters
+    if (p.up_items + down_counters(d) > kMaxCounters) return DJV_E_SHAPE;
     if (dtype == DJV_FLOAT16)
-        return run_mlp<__half>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, residual, y, post_norm, B, d, K, block_size,
-                               activation, workspace, stream);
-    return run_mlp<__nv_bfloat16>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, residual, y, post_norm, B, d, K,
-                                  block_size, activation, workspace, stream);
+        return run_mlp<__half>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, residual, y, B, d, K, block_size, activation,
+                               workspace, stream);
+    return run_mlp<__nv_bfloat16>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, residual, y, B, d, K, block_size, activation,
+                                  workspace, stream);
 }
 
 }  // extern "C"

@@ -90,9 +90,9 @@ int32_t SparseMLPPlugin::enqueue(PluginTensorDesc const* in, PluginTensorDesc co
     void const* bu = glu ? nullptr : inputs[3];
     void const* wd = glu ? inputs[4] : inputs[4];
     void const* bd = glu ? nullptr : inputs[5];
-    // The ONNX op has no residual input and no post-norm (the graph keeps its Add and its norm): pass none.
+    // The ONNX op has no residual input (the graph keeps its Add): pass none.
     const int st = djv_sparse_mlp(inputs[0], static_cast<int32_t const*>(inputs[1]), wg, wu, bu, wd, bd, nullptr,
-                                  outputs[0], nullptr, B, d, mNumNeurons, mKeptUnits, mBlockSize, mAct, toDjv(in[0].type), ws, bytes, stream);
+                                  outputs[0], B, d, mNumNeurons, mKeptUnits, mBlockSize, mAct, toDjv(in[0].type), ws, bytes, stream);
     return st == 0 ? 0 : -1;
 }
 

@@ -396,88 +396,6 @@ def test_norm_rejects_bad_shapes():
             kernels.norm(torch.ones(2, d, device="cuda", dtype=torch.float16), w[:d], kind="layernorm", eps=1e-5)
 
 
-# ---------------------------------------------------------------- post-norm (fused into the last reduction)
-def norm64(y, w, b, kind, eps=1e-5):
-    """The norm of the op's rounded output y, in float64 (HF RMSNorm's roundings left out)."""
-    yd = y.double()
-    if kind == "layernorm":
-        return F.layer_norm(yd, (y.shape[-1],), w.double(), b.double(), eps)
-    return w.double() * yd * torch.rsqrt(yd.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def check_post_norm(y, out, w, b, kind, dtype):
-    assert torch.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite post-norm outputs"
-    assert relerr(out, norm64(y, w, b, kind)) < TOL[dtype] / 2
-    # the standalone norm kernel of the same y: equal up to the order of the fp32 row sums
-    alone = kernels.norm(y, w, b, kind=kind, eps=1e-5)
-    tol = 2 * torch.finfo(dtype).eps * alone.float().abs().max()
-    assert (out.float() - alone.float()).abs().max() <= tol
-
-
-def make_norm(d, kind, dtype):
-    w = rand(d, dtype=dtype, scale=0.2) + 1.0
-    return w, (rand(d, dtype=dtype, scale=0.1) if kind == "layernorm" else None)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("B,d,N,K", [
-    (1, 5120, 4096, 1024),   # sm_90 fused MLP -> reduce + norm in its last CTA (portable: rows down + reduce)
-    (4, 1032, 3000, 2500),
-    (3, 16384, 300, 77),     # the norm's largest d: 8 vectors per thread of the reduce CTA
-    (2, 576, 1536, 5),       # few rows: one chunk writes y directly -> the separate norm launch
-    (16, 1032, 1000, 333),   # tensor-core down kernel -> the separate norm launch
-])
-def test_sparse_mlp_post_norm(B, d, N, K, kind, dtype):
-    """y = h + MLP(x) and out = norm(y) in one call; y is unchanged by the post-norm."""
-    x, p = make_mlp(B, d, N, "relu", dtype)
-    idx = rand_idx(N, K)
-    h = rand(B, d, dtype=dtype, scale=2.0) + 0.5  # a non-zero mean: LayerNorm's centring matters
-    w, b = make_norm(d, kind, dtype)
-    y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
-    out = torch.full_like(y, float("nan"))
-    r = kernels.sparse_mlp(x, idx, activation="relu", residual=h, out=y, post_norm=(w, b, kind, 1e-5, out), **p)
-    assert r[0] is y and r[1] is out
-    assert torch.equal(y, kernels.sparse_mlp(x, idx, activation="relu", residual=h, **p))
-    check_post_norm(y, out, w, b, kind, dtype)
-    r2 = kernels.sparse_mlp(x, idx, activation="relu", residual=h, post_norm=(w, b, kind, 1e-5, None), **p)
-    assert torch.equal(r2[1], out), "not deterministic (or a counter was left armed)"
-
-
-@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("B,H,Hkv,hd,d,T,Kh", [
-    (1, 40, 40, 128, 5120, 300, 8),  # OPT-13B-like: output projection + reduce + norm in its last CTA
-    (4, 16, 2, 128, 520, 100, 5),
-    (16, 8, 2, 64, 200, 40, 3),      # tensor-core output projection -> the separate norm launch
-])
-def test_attention_post_norm(B, H, Hkv, hd, d, T, Kh, kind):
-    dtype = torch.float16
-    x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
-    hidx = rand_idx(H, Kh)
-    pos = torch.randint(0, T, (B,), device="cuda", dtype=torch.int32)
-    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
-    h = rand(B, d, dtype=dtype, scale=2.0) + 0.5
-    nw, nb = make_norm(d, kind, dtype)
-    kc0, vc0 = kc.clone(), vc.clone()
-    y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
-    out = torch.full_like(y, float("nan"))
-    r = kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, residual=h, out=y,
-                                      post_norm=(nw, nb, kind, 1e-5, out), **kw)
-    assert len(r) == 4 and r[0] is y and r[3] is out
-    kc.copy_(kc0); vc.copy_(vc0)
-    plain, _, _ = kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, residual=h, **kw)
-    assert torch.equal(y, plain)
-    check_post_norm(y, out, nw, nb, kind, dtype)
-
-
-def test_post_norm_rejects_output_aliasing_y():
-    x, p = make_mlp(1, 64, 32, "relu", torch.float16)
-    w, b = make_norm(64, "layernorm", torch.float16)
-    y = torch.empty_like(x)
-    with pytest.raises(ValueError):
-        kernels.sparse_mlp(x, rand_idx(32, 4), activation="relu", out=y, post_norm=(w, b, "layernorm", 1e-5, y), **p)
-
-
 # -------------------------------------------------------------------------------------- CUDA graph
 def test_cuda_graph_capture_and_replay():
     dtype = torch.float16
@@ -525,15 +443,13 @@ def test_cuda_graph_capture_and_replay():
 
 
 # ------------------------------------------------------------------- programmatic dependent launch chain
-@pytest.mark.parametrize("fused", [False, True], ids=["norm-kernel", "post-norm"])
 @pytest.mark.parametrize("B,d,N", [(1, 1024, 4096), (2, 1032, 3000), (4, 520, 2000)])
-def test_layer_chain_matches_serialized(B, d, N, fused):
+def test_layer_chain_matches_serialized(B, d, N):
     """Several decoder layers' ops back to back on one stream - predictor, norm, attention (+ residual), norm,
     MLP (+ residual) - sharing each op's cached workspace. On sm_90 every kernel but the predictor's launches
     with programmatic dependent launch: it may be resident before the kernel before it ends, and waits for
     it (djv_bulk.cuh). Replayed in a CUDA graph, and eagerly, the result must be bit-identical to the same
-    ops run with a device synchronisation after every call (no overlap at all). `fused`: the norms after
-    the attention and the MLP are their ops' post_norm (as the CUDA executor runs a layer)."""
+    ops run with a device synchronisation after every call (no overlap at all)."""
     dtype, layers, H, Hkv, hd, T = torch.float16, 5, 8, 4, 64, 48
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
     ws = []
@@ -553,32 +469,20 @@ def test_layer_chain_matches_serialized(B, d, N, fused):
 
     def run(sync):
         h = h0
-        x = kernels.norm(h, ws[0][5][0], None, kind="rmsnorm", eps=1e-5)
         for i, (p, w, kc, vc, pred, ln) in enumerate(ws):
             kernels.predictor(h, *pred, kept_units=K, kept_heads=Kh, out=(mis[i], his[i]))
             if sync:
                 torch.cuda.synchronize()
-            if not fused and i > 0:
-                x = kernels.norm(h, ln[0], None, kind="rmsnorm", eps=1e-5)
-                if sync:
-                    torch.cuda.synchronize()
-            pn = (ln[1], None, "rmsnorm", 1e-5, None) if fused else None
-            r = kernels.head_sparse_attention(x, his[i], pos, *w.values(), kc, vc, residual=h, post_norm=pn, **kw)
-            h = r[0]
+            x = kernels.norm(h, ln[0], None, kind="rmsnorm", eps=1e-5)
             if sync:
                 torch.cuda.synchronize()
-            if fused:
-                x = r[3]
-            else:
-                x = kernels.norm(h, ln[1], None, kind="rmsnorm", eps=1e-5)
-                if sync:
-                    torch.cuda.synchronize()
-            nxt = ws[i + 1][5][0] if i + 1 < layers else ln[0]
-            if fused:
-                h, x = kernels.sparse_mlp(x, mis[i], activation="gelu", residual=h, post_norm=(nxt, None, "rmsnorm",
-                                                                                               1e-5, None), **p)
-            else:
-                h = kernels.sparse_mlp(x, mis[i], activation="gelu", residual=h, **p)
+            h, _, _ = kernels.head_sparse_attention(x, his[i], pos, *w.values(), kc, vc, residual=h, **kw)
+            if sync:
+                torch.cuda.synchronize()
+            x = kernels.norm(h, ln[1], None, kind="rmsnorm", eps=1e-5)
+            if sync:
+                torch.cuda.synchronize()
+            h = kernels.sparse_mlp(x, mis[i], activation="gelu", residual=h, **p)
             if sync:
                 torch.cuda.synchronize()
         return h
