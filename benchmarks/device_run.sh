@@ -4,12 +4,12 @@
 # into $OUT/logs.tgz at the end (the device tool returns at most 8 files); one summary line per step and the
 # benchmarks' result lines are printed, so the call's reply ends with a short table.
 #
-#   bash benchmarks/device_run.sh tests tests-portable attn-ab e2e-ab
+#   bash benchmarks/device_run.sh tests tests-portable kernels e2e
 #
 # Steps: tests (pytest tests/gpu), tests-portable (DJV_NO_BULK=1 DJV_TOPK_R8=1: the sm_80 kernels on the
 # H200), tests-nopdl, kernels (bench_kernels --focus), attn / mlp (bench_kernels, OPT-13B attention / all
-# MLP shapes), e2e (bench_e2e --opt13b, all batches + HF eager), e2e-ab (bench_e2e --core at B=1/4 per
-# reduction width, see the case), profile (bench_e2e --profile-step).
+# MLP shapes), e2e (bench_e2e --opt13b, all batches + HF eager), e2e-pdl (bench_e2e --core at B=1/4
+# with and without programmatic dependent launch), profile (bench_e2e --profile-step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -44,22 +44,14 @@ for step in "$@"; do
     case $step in
     tests) run tests -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu ;;
     tests-portable) run tests-portable DJV_NO_BULK=1 DJV_TOPK_R8=1 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu ;;
-    tests-lanes)  # the reduction's other widths, on the tests that reach it
-        for lanes in 16 32 64; do
-            run "tests-lanes$lanes" DJV_REDUCE_LANES=$lanes -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu \
-                -k "mlp or attention or chain or graph or executor"
-        done ;;
     tests-nopdl) run tests-nopdl DJV_NO_PDL=1 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k kernel ;;
     kernels) run kernels -- $PY benchmarks/bench_kernels.py --focus --only mlp,attn,pred --json "$LOGS/kernels.json" ;;
     mlp) run mlp -- $PY benchmarks/bench_kernels.py --focus --only mlp --json "$LOGS/mlp.json" ;;
     attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
     e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
-    e2e-ab)  # chunk lanes of the partial-sum reduction (DJV_REDUCE_LANES, plugins/common/djv_rows.cuh)
-        n=0
-        for lanes in 16 32 64 16 32 64; do
-            n=$((n + 1))
-            run "e2e$n-lanes$lanes" DJV_REDUCE_LANES=$lanes -- $PY "${E2E_CORE[@]}"
-        done ;;
+    e2e-pdl)  # the launch chain on and off (DJV_NO_PDL=1), B=1/4
+        run e2e-pdl -- $PY "${E2E_CORE[@]}"
+        run e2e-nopdl DJV_NO_PDL=1 -- $PY "${E2E_CORE[@]}" ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
     esac

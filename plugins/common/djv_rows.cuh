@@ -196,25 +196,22 @@ __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __res
     }
 }
 
-// y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias). CTA of 256 threads: 256/LANES float4
-// columns x LANES chunk lanes, so a column's partials are read by LANES threads at once (one L2 round trip per
-// LANES chunks). More lanes: a shorter chain of dependent L2 reads per thread, more CTAs.
-constexpr int kReduceThreads = 256;
-template <typename T, int LANES>
-__global__ void __launch_bounds__(kReduceThreads) rows_reduce_kernel(const float* __restrict__ part,
-                                                                     const T* __restrict__ bias, const T* residual,
-                                                                     T* y, int B, int d, int C) {
-    constexpr int COLS = kReduceThreads / LANES;  // float4 columns per CTA
-    __shared__ float4 red[LANES][COLS];
+// y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias). CTA: 16 float4 columns x 16 chunk lanes,
+// so a column's partials are read by 16 threads at once (one L2 round trip per 16 chunks).
+constexpr int kReduceLanes = 16;
+template <typename T>
+__global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
+                                                          const T* residual, T* y, int B, int d, int C) {
+    __shared__ float4 red[kReduceLanes][16];
     pdl_wait_primary();  // launched early (launch_rows_reduce): the partials come from the kernel before
     pdl_launch_dependents();
-    const int cl = threadIdx.x % COLS, kl = threadIdx.x / COLS;
-    const int b = blockIdx.y, c4 = blockIdx.x * COLS + cl;  // float4 column
+    const int cl = threadIdx.x & 15, kl = threadIdx.x >> 4;
+    const int b = blockIdx.y, c4 = blockIdx.x * 16 + cl;  // float4 column
     const bool ok = c4 * 4 < d;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     if (ok) {
 #pragma unroll 8
-        for (int k = kl; k < C; k += LANES) {
+        for (int k = kl; k < C; k += kReduceLanes) {
             const float4 v = __ldcg(reinterpret_cast<const float4*>(part + ((size_t)k * B + b) * d) + c4);
             s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
         }
@@ -224,7 +221,7 @@ __global__ void __launch_bounds__(kReduceThreads) rows_reduce_kernel(const float
     if (kl != 0 || !ok) return;
     float4 t = red[0][cl];
 #pragma unroll
-    for (int k = 1; k < LANES; ++k) {
+    for (int k = 1; k < kReduceLanes; ++k) {
         t.x += red[k][cl].x; t.y += red[k][cl].y; t.z += red[k][cl].z; t.w += red[k][cl].w;
     }
     const int col = c4 * 4;
@@ -239,25 +236,10 @@ __global__ void __launch_bounds__(kReduceThreads) rows_reduce_kernel(const float
     *reinterpret_cast<uint2*>(y + (size_t)b * d + col) = o;
 }
 
-// Chunk lanes of the reduction: DJV_REDUCE_LANES (16, 32 or 64) in the environment, for A/B runs.
-inline int reduce_lanes() {
-    static const int n = [] {
-        const char* e = getenv("DJV_REDUCE_LANES");
-        const int v = e ? atoi(e) : 16;
-        return v == 32 || v == 64 ? v : 16;
-    }();
-    return n;
-}
-
 template <typename T>
 inline cudaError_t launch_rows_reduce(const float* part, const T* bias, const T* residual, T* y, int B, int d, int C,
                                       cudaStream_t st) {
-    const int lanes = reduce_lanes(), cols = 4 * kReduceThreads / lanes;  // output columns per CTA
-    auto go = [&](auto kern) {
-        return launch_pdl(kern, dim3(cdiv(d, cols), B), dim3(kReduceThreads), 0, st, part, bias, residual, y, B, d, C);
-    };
-    return lanes == 64 ? go(rows_reduce_kernel<T, 64>) : (lanes == 32 ? go(rows_reduce_kernel<T, 32>)
-                                                                      : go(rows_reduce_kernel<T, 16>));
+    return launch_pdl(rows_reduce_kernel<T>, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, B, d, C);
 }
 
 // ---------------------------------------------------------------------------------------------
