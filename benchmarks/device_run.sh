@@ -20,7 +20,14 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "tree $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +dirty)"
+# The device's copy of the tree carries no current git metadata: fingerprint the sources instead (run the
+# same line here to match a commit).
+sources_hash() {
+    find plugins dejavu_trt benchmarks -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.cpp' \
+        -o -name '*.py' -o -name '*.sh' -o -name CMakeLists.txt \) -not -path '*/build/*' | LC_ALL=C sort |
+        xargs sha256sum | sha256sum | cut -c1-12
+}
+echo "sources $(sources_hash)"
 t0=$(date +%s)
 if ! $PY -m dejavu_trt.kernels.build > "$LOGS/build.log" 2>&1; then tail -30 "$LOGS/build.log"; exit 1; fi
 echo "build $(( $(date +%s) - t0 ))s"
