@@ -32,7 +32,8 @@ t0=$(date +%s)
 if ! $PY -m dejavu_trt.kernels.build > "$LOGS/build.log" 2>&1; then tail -30 "$LOGS/build.log"; exit 1; fi
 echo "build $(( $(date +%s) - t0 ))s"
 
-run() {  # run NAME ENV... -- CMD...: log to $OUT/NAME.log, print rc, time and the last line
+failed=0
+run() {  # run NAME ENV... -- CMD...: log to $LOGS/NAME.log, print rc, time and the last line
     local name=$1; shift
     local envs=()
     while [ "$1" != "--" ]; do envs+=("$1"); shift; done
@@ -40,6 +41,7 @@ run() {  # run NAME ENV... -- CMD...: log to $OUT/NAME.log, print rc, time and t
     local t=$(date +%s)
     env "${envs[@]}" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
+    [ $rc -eq 0 ] || failed=1
     printf '%-22s rc=%d %4ds  %s\n' "$name" "$rc" "$(( $(date +%s) - t ))" "$(tail -1 "$LOGS/$name.log" | cut -c1-150)"
     # result lines: kernel-benchmark rows, end-to-end rows (compacted)
     grep -E '^(mlp|attn|predictor) ' "$LOGS/$name.log" | cut -c1-150
@@ -64,3 +66,4 @@ for step in "$@"; do
     esac
 done
 echo "total $(( $(date +%s) - t0 ))s"
+exit $failed
