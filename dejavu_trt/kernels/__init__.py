@@ -34,6 +34,12 @@ Functions (fp16 or bf16 tensors, contiguous, on one CUDA device; index tensors i
     Row LayerNorm ("layernorm") or HF-style RMSNorm ("rmsnorm") over the last dimension, for the
     executor (torch's kernel is slow for one short row); ``out`` may be ``x``.
 
+Norm folding (the CUDA executor's; not part of the op contract): ``row_stats(z) -> stats`` gives the
+[rows, stats_blocks(d), 2] float32 (mean, M2) of each 64-column block of z. ``sparse_mlp`` and
+``head_sparse_attention`` take ``x_stats=stats, norm_kind=..., norm_eps=...`` to run on
+norm(x) without its affine part (the caller folds the norm's weight and bias into the op's weights,
+``fold_norm``), and ``y_stats=`` (a tensor from ``empty_stats``) to receive the statistics of y.
+
 Limits (checked, ValueError otherwise): 1 <= B <= 16; d % 8 == 0; head_dim in {64, 128, 256};
 predictor ranks <= 2048. ``*_workspace_size`` give the byte counts.
 """
@@ -45,7 +51,7 @@ from pathlib import Path
 
 __all__ = [
     "available", "load_library", "open_library", "library_path", "KernelsUnavailable",
-    "predictor", "sparse_mlp", "head_sparse_attention", "norm",
+    "predictor", "sparse_mlp", "head_sparse_attention", "norm", "row_stats", "empty_stats", "fold_norm",
     "predictor_workspace_size", "sparse_mlp_workspace_size", "head_attention_workspace_size",
 ]
 
@@ -54,7 +60,7 @@ _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
 _NORM = {"layernorm": 0, "rmsnorm": 1}
-ABI_VERSION = 3  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
+ABI_VERSION = 4  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
 
@@ -106,6 +112,14 @@ def open_library(path: str | Path) -> ctypes.CDLL:
     lib.djv_head_sparse_attention.argtypes = [P] * 17 + [I] * 8 + [F, I, I, P, Z, P]
     lib.djv_norm.restype = I
     lib.djv_norm.argtypes = [P] * 4 + [I] * 3 + [F, I, P]
+    lib.djv_stats_blocks.restype = I
+    lib.djv_stats_blocks.argtypes = [I]
+    lib.djv_row_stats.restype = I
+    lib.djv_row_stats.argtypes = [P, P, I, I, I, P]
+    lib.djv_sparse_mlp_folded.restype = I
+    lib.djv_sparse_mlp_folded.argtypes = [P] * 9 + [I] * 6 + [P, I, F, P] + [I, P, Z, P]
+    lib.djv_head_sparse_attention_folded.restype = I
+    lib.djv_head_sparse_attention_folded.argtypes = [P] * 17 + [I] * 8 + [F, I] + [P, I, F, P] + [I, P, Z, P]
     if lib.djv_abi_version() != ABI_VERSION:
         raise KernelsUnavailable(f"{path}: C ABI version {lib.djv_abi_version()}, expected {ABI_VERSION}; rebuild it "
                                  "with `python -m dejavu_trt.kernels.build`")
@@ -203,9 +217,53 @@ def predictor(h, mlp_a, mlp_b, head_a=None, head_b=None, *, kept_units: int, kep
     return mlp_idx, head_idx
 
 
+def _fold_args(x_stats, norm_kind, norm_eps, y_stats):
+    if x_stats is not None and norm_kind not in _NORM:
+        raise ValueError(f"x_stats needs norm_kind in {sorted(_NORM)}, got {norm_kind!r}")
+    for name, t in (("x_stats", x_stats), ("y_stats", y_stats)):
+        if t is not None and t.dtype != __import__("torch").float32:
+            raise ValueError(f"{name} must be float32 (from row_stats / empty_stats)")
+    return _ptr(x_stats), _NORM.get(norm_kind, 0), float(norm_eps), _ptr(y_stats)
+
+
+def stats_blocks(d: int) -> int:
+    return int(load_library().djv_stats_blocks(d))
+
+
+def empty_stats(rows: int, d: int, device):
+    import torch
+    return torch.empty(rows, stats_blocks(d), 2, dtype=torch.float32, device=device)
+
+
+def row_stats(z, out=None):
+    """(mean, M2) of each 64-column block of each row of z [rows, d] -> [rows, stats_blocks(d), 2] float32."""
+    lib = load_library()
+    d = z.shape[-1]
+    rows = z.numel() // d
+    st = empty_stats(rows, d, z.device) if out is None else out
+    _check(lib.djv_row_stats(_ptr(z), _ptr(st), rows, d, _dtype_code(z), _stream()), "row_stats")
+    return st
+
+
+def fold_norm(weight, norm_weight, norm_bias=None, bias=None):
+    """Fold a norm's affine part into the linear layer after it: W' = W diag(g), b' = b + W beta (fp32,
+    rounded once to W's dtype). weight [N, d]; returns (W', b' or None)."""
+    wf = weight.float()
+    folded = (wf * norm_weight.float()[None, :]).to(weight.dtype)
+    b = None
+    if norm_bias is not None or bias is not None:
+        b = bias.float() if bias is not None else 0.0
+        if norm_bias is not None:
+            b = b + wf @ norm_bias.float()
+        b = b.to(weight.dtype)
+    return folded.contiguous(), b
+
+
 def sparse_mlp(x, idx, *, activation: str, block_size: int = 1, w_up, w_down_t, w_gate=None, b_up=None,
-               b_down=None, residual=None, out=None, workspace=None):
-    """y = MLP(x) over the active blocks idx, plus `residual` when given (fp32 sum, one rounding)."""
+               b_down=None, residual=None, out=None, workspace=None, x_stats=None, norm_kind=None,
+               norm_eps: float = 0.0, y_stats=None):
+    """y = MLP(x) over the active blocks idx, plus `residual` when given (fp32 sum, one rounding).
+    With x_stats: MLP(norm(x)) with the norm's affine part folded into the weights (see the module doc)."""
     import torch
     lib = load_library()
     B, d = x.shape
@@ -215,16 +273,18 @@ def sparse_mlp(x, idx, *, activation: str, block_size: int = 1, w_up, w_down_t, 
     y = torch.empty_like(x) if out is None else out
     ws = _workspace("sparse_mlp", lib.djv_sparse_mlp_workspace_size(B, d, N, K, block_size, act), x.device,
                     workspace)
-    st = lib.djv_sparse_mlp(_ptr(x), _ptr(idx), _ptr(w_gate), _ptr(w_up), _ptr(b_up), _ptr(w_down_t),
-                            _ptr(b_down), _ptr(residual), _ptr(y), B, d, N, K, block_size, act, _dtype_code(x), _ptr(ws),
-                            ws.numel(), _stream())
+    st = lib.djv_sparse_mlp_folded(_ptr(x), _ptr(idx), _ptr(w_gate), _ptr(w_up), _ptr(b_up), _ptr(w_down_t),
+                                   _ptr(b_down), _ptr(residual), _ptr(y), B, d, N, K, block_size, act,
+                                   *_fold_args(x_stats, norm_kind, norm_eps, y_stats), _dtype_code(x), _ptr(ws),
+                                   ws.numel(), _stream())
     _check(st, "sparse_mlp")
     return y
 
 
 def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos, rope_sin,
                           k_cache, v_cache, *, num_heads: int, num_kv_heads: int, head_dim: int, rotary: int,
-                          scale: float, kv_policy: str = "dense", residual=None, out=None, workspace=None):
+                          scale: float, kv_policy: str = "dense", residual=None, out=None, workspace=None,
+                          x_stats=None, norm_kind=None, norm_eps: float = 0.0, y_stats=None):
     import torch
     lib = load_library()
     B, d = x.shape
@@ -234,11 +294,12 @@ def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k,
     y = torch.empty_like(x) if out is None else out
     ws = _workspace("head_attention", lib.djv_head_attention_workspace_size(
         B, d, num_heads, num_kv_heads, head_dim, Kh, T, pol), x.device, workspace)
-    st = lib.djv_head_sparse_attention(
+    st = lib.djv_head_sparse_attention_folded(
         _ptr(x), _ptr(head_idx), _ptr(position), _ptr(w_q), _ptr(w_k), _ptr(w_v), _ptr(w_o_t), _ptr(b_q),
         _ptr(b_k), _ptr(b_v), _ptr(b_o), _ptr(rope_cos) if rotary else None, _ptr(rope_sin) if rotary else None,
         _ptr(k_cache), _ptr(v_cache), _ptr(residual), _ptr(y), B, d, num_heads, num_kv_heads, head_dim, Kh, T, int(rotary),
-        float(scale), pol, _dtype_code(x), _ptr(ws), ws.numel(), _stream())
+        float(scale), pol, *_fold_args(x_stats, norm_kind, norm_eps, y_stats), _dtype_code(x), _ptr(ws), ws.numel(),
+        _stream())
     _check(st, "head_sparse_attention")
     return y, k_cache, v_cache
 

@@ -44,11 +44,11 @@ def predictor_rank(weights: DecoderWeights) -> tuple[int, int]:
 def time_mode(weights: DecoderWeights, *, dense: bool, batch: int = 1, steps: int = 64, warmup: int = 8,
               prompt_len: int = 32, ops: str = "auto", side_stream: bool = True, cuda_graph: bool = True,
               kv_policy: str | None = None, max_context: int | None = None, prompt: torch.Tensor | None = None,
-              executor: Executor | None = None) -> dict:
+              executor: Executor | None = None, fold_norms: bool | None = None) -> dict:
     """Prefill a prompt, then time `steps` greedy decode steps after `warmup` untimed ones."""
     T = max_context or (prompt_len + warmup + steps + 2)
     ex = executor or Executor(weights, dense=dense, ops=ops, batch=batch, max_context=T, side_stream=side_stream,
-                              cuda_graph=cuda_graph, kv_policy=kv_policy)
+                              cuda_graph=cuda_graph, kv_policy=kv_policy, fold_norms=fold_norms)
     if prompt is None:
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, weights.dims.vocab_size, (batch, prompt_len), generator=g)
@@ -66,6 +66,7 @@ def time_mode(weights: DecoderWeights, *, dense: bool, batch: int = 1, steps: in
     mean = statistics.fmean(tbt)
     return {"mode": "dense" if dense else "sparse", "batch": batch, "ops": "cublas" if dense and ex.cuda else ex.ops.name,
             "side_stream": ex.decoder.side_stream is not None, "cuda_graph": ex.use_graph,
+            "fold_norms": getattr(ex, "fold_norms", False),
             "steps": steps, "tbt_ms_p50": percentile(tbt, 50), "tbt_ms_p99": percentile(tbt, 99),
             "tbt_ms_mean": mean, "tokens_per_s": batch * 1e3 / mean, "bytes_per_step": sb.total,
             "achieved_gb_s": sb.total / (mean * 1e-3) / 1e9}

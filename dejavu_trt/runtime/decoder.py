@@ -80,6 +80,20 @@ class DecoderWeights:
                 lw["w_down"] = lw["w_down_t"].T.contiguous()
                 lw["w_o"] = lw["w_o_t"].T.contiguous()
 
+    def add_folded_mlp_norm(self) -> None:
+        """Copies of the MLP's input-side weights with mlp_norm's weight and bias folded in (w_up_nf, w_gate_nf,
+        b_up_nf), for the kernels' norm-folded MLP: it normalises its input itself from row statistics that
+        the attention's last kernel writes, so the decode step launches no mlp_norm kernel. Costs the bytes
+        of w_up (and w_gate) once more on the device."""
+        from ..kernels import fold_norm
+        for lw in self.layers:
+            if lw.get("w_up_nf") is not None:
+                continue
+            g, beta = lw["mlp_norm.weight"], lw["mlp_norm.bias"]
+            lw["w_up_nf"], lw["b_up_nf"] = fold_norm(lw["w_up"], g, beta, lw["b_up"])
+            if lw.get("w_gate") is not None:
+                lw["w_gate_nf"], _ = fold_norm(lw["w_gate"], g)
+
     @classmethod
     def from_package(cls, pkg: EnginePackage, device="cpu", dtype=None, max_context=None) -> "DecoderWeights":
         return cls.from_tensors(pkg.config, pkg.weights, pkg.predictors, device, dtype, max_context)
@@ -89,8 +103,10 @@ class Decoder:
     """Prefill and decode-step functions over DecoderWeights with one op backend."""
 
     def __init__(self, w: DecoderWeights, ops, *, dense: bool = False, kv_policy: str | None = None,
-                 side_stream: torch.cuda.Stream | None = None):
+                 side_stream: torch.cuda.Stream | None = None, fold_mlp_norm: bool = False):
         self.w, self.ops, self.dense = w, ops, dense
+        # mlp_norm folded into the sparse MLP (KernelOps only; DecoderWeights.add_folded_mlp_norm done)
+        self.fold_mlp_norm = fold_mlp_norm and not dense
         self.dims = w.dims
         self.kv_policy = kv_policy or w.config.kv_policy
         self.side_stream = side_stream
@@ -170,11 +186,18 @@ class Decoder:
             scale = self.w.config.attention_scale[i]
             if sparse:  # h + op(x): the kernels fuse the residual add (a new tensor: the side stream reads h)
                 mlp_idx, head_idx = idx[i]
+                fold = {"y_stats": self.ops.empty_stats(h)} if self.fold_mlp_norm else {}
                 h = self.ops.attention_residual(h, x, head_idx, position, lw, k_caches[i], v_caches[i], dims=d,
-                                                scale=scale, rope=rope, kv_policy=self.kv_policy, ctx=ctx)
+                                                scale=scale, rope=rope, kv_policy=self.kv_policy, ctx=ctx, **fold)
             else:
                 h = h + self.ops.dense_attention(x, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale,
                                                  rope=rope, ctx=ctx)
+            if sparse and self.fold_mlp_norm:  # the MLP normalises h itself, from the attention's row statistics
+                if self.record is not None:
+                    self.record.append((i, self.norm(h, "mlp_norm", lw), mlp_idx))
+                h = self.ops.mlp_residual_folded(h, fold["y_stats"], mlp_idx, lw, d.activation, self.block, d.norm, d.norm_eps)
+                inputs.append(h)
+                continue
             x = self.norm(h, "mlp_norm", lw)
             if sparse:
                 if self.record is not None:

@@ -11,6 +11,7 @@ One class serves both targets:
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -43,7 +44,7 @@ def allocate(shape, dtype, device, what: str, context: str = "") -> torch.Tensor
 class Executor:
     def __init__(self, weights: DecoderWeights, *, dense: bool = False, ops: str = "auto", batch: int = 1,
                  max_context: int | None = None, side_stream: bool = True, cuda_graph: bool = True,
-                 kv_policy: str | None = None):
+                 kv_policy: str | None = None, fold_norms: bool | None = None):
         cfg = weights.config
         if not 1 <= batch <= min(cfg.max_batch, MAX_BATCH):
             raise DejaVuError(f"batch {batch} is outside 1..{min(cfg.max_batch, MAX_BATCH)} (the engine's maximum); "
@@ -64,7 +65,15 @@ class Executor:
             weights.add_dense_layout()
         self.use_graph = cuda_graph and self.cuda
         stream = torch.cuda.Stream(device=self.device) if (side_stream and self.cuda and not dense) else None
-        self.decoder = Decoder(weights, self.ops, dense=dense, kv_policy=kv_policy, side_stream=stream)
+        # mlp_norm folded into the sparse MLP kernel (measured: benchmarks/RESULTS.md, session 7). Default: on
+        # where the op backend can (the kernels); DEJAVU_FOLD_NORMS=0 turns it off for A/B runs.
+        if fold_norms is None:
+            fold_norms = os.environ.get("DEJAVU_FOLD_NORMS", "1") != "0"
+        self.fold_norms = bool(fold_norms and not dense and getattr(self.ops, "folds_norms", False))
+        if self.fold_norms:
+            weights.add_folded_mlp_norm()
+        self.decoder = Decoder(weights, self.ops, dense=dense, kv_policy=kv_policy, side_stream=stream,
+                               fold_mlp_norm=self.fold_norms)
         d = weights.dims
         shape = (batch, d.num_kv_heads, self.T, d.head_dim)
         ctx = (f" (KV cache of {d.num_layers} layers x 2 for batch {batch} x context {self.T}; "

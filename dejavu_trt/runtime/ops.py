@@ -188,6 +188,7 @@ class KernelOps(TorchOps):
     """libdejavu_kernels through dejavu_trt.kernels; dense paths stay on cuBLAS (TorchOps)."""
 
     name = "kernels"
+    folds_norms = True  # mlp_residual_folded (DecoderWeights.add_folded_mlp_norm)
 
     def __init__(self, torch_predictor: bool = False):
         from .. import kernels
@@ -219,6 +220,16 @@ class KernelOps(TorchOps):
     def mlp_residual(self, h, x, idx, lw, activation, block_size):
         return self.mlp(x, idx, lw, activation, block_size, residual=h)
 
+    def empty_stats(self, h):
+        return self.k.empty_stats(h.shape[0], h.shape[-1], h.device)
+
+    def mlp_residual_folded(self, h, h_stats, idx, lw, activation, block_size, norm_kind: str, eps: float):
+        """h + MLP(mlp_norm(h)), the norm done by the MLP kernel from h's row statistics and the norm's weight
+        and bias folded into w_up_nf / w_gate_nf / b_up_nf."""
+        return self.k.sparse_mlp(h, idx, activation=activation, block_size=block_size, w_up=lw.w_up_nf,
+                                 w_down_t=lw.w_down_t, w_gate=lw.w_gate_nf, b_up=lw.b_up_nf, b_down=lw.b_down,
+                                 residual=h, x_stats=h_stats, norm_kind=norm_kind, norm_eps=eps)
+
     def attention_residual(self, h, x, head_idx, position, lw, k_cache, v_cache, **kw):
         return self.attention(x, head_idx, position, lw, k_cache, v_cache, residual=h, **kw)
 
@@ -232,12 +243,12 @@ class KernelOps(TorchOps):
         return self._rope[key]
 
     def attention(self, x, head_idx, position, lw, k_cache, v_cache, *, dims, scale, rope, kv_policy, ctx=None,
-                  residual=None):
+                  residual=None, y_stats=None):
         cos, sin = self._rope_in(rope, x.dtype)
         y, _, _ = self.k.head_sparse_attention(
             x, head_idx, position, lw.w_q, lw.w_k, lw.w_v, lw.w_o_t, lw.b_q, lw.b_k, lw.b_v, lw.b_o, cos, sin,
             k_cache, v_cache, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
-            rotary=int(rope is not None), scale=scale, kv_policy=kv_policy, residual=residual)
+            rotary=int(rope is not None), scale=scale, kv_policy=kv_policy, residual=residual, y_stats=y_stats)
         return y
 
 

@@ -31,7 +31,8 @@ extern "C" {
 #define DJV_API __attribute__((visibility("default")))
 #endif
 
-#define DJV_ABI_VERSION 3  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm */
+#define DJV_ABI_VERSION 4  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
+                              4: norm folding (djv_row_stats, djv_*_folded) */
 
 enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
 enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
@@ -98,6 +99,33 @@ DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, co
  * Limits: d % 8 == 0, 8 <= d <= 16384. No workspace. */
 DJV_API int djv_norm(const void* x, const void* weight, const void* bias, void* y, int rows, int d, int kind,
                      float eps, int dtype, cudaStream_t stream);
+
+/* ---- Norm folding (CUDA executor; not a plugin) ------------------------------------------
+ * Row statistics of z [rows,d]: stats [rows][djv_stats_blocks(d)] float32 pairs; pair j = (mean, M2) of
+ * columns [64j, min(64j + 64, d)), M2 the sum of squared deviations from that mean. Limits: d <= 16384.
+ * The *_folded calls are the calls above with, in addition:
+ *  - x_stats (may be NULL): the statistics of x. The op then runs on the norm of x without its affine part,
+ *    round((x - mean(x)) * rsqrt(var(x) + eps)) for DJV_LAYERNORM, round(x * rsqrt(mean(x^2) + eps)) for
+ *    DJV_RMSNORM (rounded to the I/O dtype). The caller folds the norm's weight into the op's input-side
+ *    weights (w_up, w_gate; w_q, w_k, w_v) and its bias into their biases.
+ *  - y_stats (may be NULL, not x_stats): receives the statistics of y as written (after rounding).
+ * The fused batch <= 4 MLP kernel on sm_90 normalises x itself and the partial-sum reductions write y_stats;
+ * the other paths normalise x with an extra kernel into the workspace, or read y back for its statistics. */
+DJV_API int djv_stats_blocks(int d);
+DJV_API int djv_row_stats(const void* z, float* stats, int rows, int d, int dtype, cudaStream_t stream);
+DJV_API int djv_sparse_mlp_folded(const void* x, const int32_t* idx, const void* w_gate, const void* w_up,
+                                  const void* b_up, const void* w_down_t, const void* b_down, const void* residual,
+                                  void* y, int B, int d, int N, int K, int block_size, int activation,
+                                  const float* x_stats, int norm_kind, float norm_eps, float* y_stats, int dtype,
+                                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
+DJV_API int djv_head_sparse_attention_folded(const void* x, const int32_t* head_idx, const int32_t* position,
+                                             const void* w_q, const void* w_k, const void* w_v, const void* w_o_t,
+                                             const void* b_q, const void* b_k, const void* b_v, const void* b_o,
+                                             const void* rope_cos, const void* rope_sin, void* k_cache, void* v_cache,
+                                             const void* residual, void* y, int B, int d, int H, int Hkv, int hd,
+                                             int Kh, int T, int rotary, float scale, int kv_policy,
+                                             const float* x_stats, int norm_kind, float norm_eps, float* y_stats,
+                                             int dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -5,6 +5,7 @@
 // LlamaRMSNorm does (normalise in fp32, round, then scale in the I/O dtype).
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
+#include "djv_stats.cuh"
 
 namespace {
 using namespace djv;
@@ -104,4 +105,15 @@ extern "C" DJV_API int djv_norm(const void* x, const void* weight, const void* b
     const int rms = kind == DJV_RMSNORM;
     if (dtype == DJV_FLOAT16) return run_norm<__half>(x, weight, bias, y, rows, d, rms, eps, stream);
     return run_norm<__nv_bfloat16>(x, weight, bias, y, rows, d, rms, eps, stream);
+}
+
+extern "C" DJV_API int djv_stats_blocks(int d) { return d < 1 ? 0 : djv::stats_blocks(d); }
+
+extern "C" DJV_API int djv_row_stats(const void* z, float* stats, int rows, int d, int dtype, cudaStream_t stream) {
+    if (rows < 1 || d < 8 || d % 8 || d > djv::kStatCols * djv::kStatMaxBlocks) return DJV_E_SHAPE;
+    if (dtype != DJV_FLOAT16 && dtype != DJV_BFLOAT16) return DJV_E_DTYPE;
+    if (!z || !stats || !aligned16(z) || !aligned16(stats)) return DJV_E_POINTER;
+    float2* st = reinterpret_cast<float2*>(stats);
+    if (dtype == DJV_FLOAT16) return (int)djv::launch_row_stats(static_cast<const __half*>(z), st, rows, d, stream);
+    return (int)djv::launch_row_stats(static_cast<const __nv_bfloat16*>(z), st, rows, d, stream);
 }

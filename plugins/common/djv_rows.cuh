@@ -9,6 +9,7 @@
 #pragma once
 #include "djv_bulk.cuh"
 #include "djv_device.cuh"
+#include "djv_stats.cuh"
 
 namespace djv {
 
@@ -199,9 +200,11 @@ __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __res
 // y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias). CTA: 16 float4 columns x 16 chunk lanes,
 // so a column's partials are read by 16 threads at once (one L2 round trip per 16 chunks).
 constexpr int kReduceLanes = 16;
+// y_stats (may be null): each CTA's 64 columns are one statistics block (djv_stats.cuh) of the rounded y.
 template <typename T>
 __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
-                                                          const T* residual, T* y, int B, int d, int C) {
+                                                          const T* residual, T* y, float2* __restrict__ y_stats, int B,
+                                                          int d, int C) {
     __shared__ float4 red[kReduceLanes][16];
     pdl_wait_primary();  // launched early (launch_rows_reduce): the partials come from the kernel before
     pdl_launch_dependents();
@@ -218,28 +221,38 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
     }
     red[kl][cl] = s;
     __syncthreads();
-    if (kl != 0 || !ok) return;
-    float4 t = red[0][cl];
+    if (threadIdx.x >= 32) return;  // warp 0 finishes; its lanes 0-15 own one float4 column each
+    const bool mine = kl == 0 && ok;
+    float v[4] = {};
+    if (mine) {
+        float4 t = red[0][cl];
 #pragma unroll
-    for (int k = 1; k < kReduceLanes; ++k) {
-        t.x += red[k][cl].x; t.y += red[k][cl].y; t.z += red[k][cl].z; t.w += red[k][cl].w;
+        for (int k = 1; k < kReduceLanes; ++k) {
+            t.x += red[k][cl].x; t.y += red[k][cl].y; t.z += red[k][cl].z; t.w += red[k][cl].w;
+        }
+        const int col = c4 * 4;
+        if (bias) { t.x += to_f(bias[col]); t.y += to_f(bias[col + 1]); t.z += to_f(bias[col + 2]); t.w += to_f(bias[col + 3]); }
+        if (residual) {  // y = residual + projection, one rounding (residual may be y itself: read before write)
+            const T* r = residual + (size_t)b * d + col;
+            t.x += to_f(r[0]); t.y += to_f(r[1]); t.z += to_f(r[2]); t.w += to_f(r[3]);
+        }
+        uint2 o;
+        o.x = pack2<T>(t.x, t.y);
+        o.y = pack2<T>(t.z, t.w);
+        *reinterpret_cast<uint2*>(y + (size_t)b * d + col) = o;
+        v[0] = round_io<T>(t.x); v[1] = round_io<T>(t.y); v[2] = round_io<T>(t.z); v[3] = round_io<T>(t.w);
     }
-    const int col = c4 * 4;
-    if (bias) { t.x += to_f(bias[col]); t.y += to_f(bias[col + 1]); t.z += to_f(bias[col + 2]); t.w += to_f(bias[col + 3]); }
-    if (residual) {  // y = residual + projection, one rounding (residual may be y itself: read before write)
-        const T* r = residual + (size_t)b * d + col;
-        t.x += to_f(r[0]); t.y += to_f(r[1]); t.z += to_f(r[2]); t.w += to_f(r[3]);
-    }
-    uint2 o;
-    o.x = pack2<T>(t.x, t.y);
-    o.y = pack2<T>(t.z, t.w);
-    *reinterpret_cast<uint2*>(y + (size_t)b * d + col) = o;
+    if (y_stats)  // 16 float4 columns = one 64-column statistics block
+        store_block_stats<4>(v, mine ? 4 : 0, min(kStatCols, d - (int)blockIdx.x * kStatCols),
+                             y_stats + (size_t)b * gridDim.x + blockIdx.x);
 }
 
 template <typename T>
 inline cudaError_t launch_rows_reduce(const float* part, const T* bias, const T* residual, T* y, int B, int d, int C,
-                                      cudaStream_t st) {
-    return launch_pdl(rows_reduce_kernel<T>, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, B, d, C);
+                                      cudaStream_t st, float2* y_stats = nullptr) {
+    static_assert(16 * 4 == kStatCols, "one reduction CTA per statistics block");
+    return launch_pdl(rows_reduce_kernel<T>, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, y_stats,
+                      B, d, C);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -253,10 +266,16 @@ inline size_t down_part_floats(int B, int d, int M, int Mpad) {
 
 // act: [16][Mpad]. Batch > 4: rows >= B and padded entries (m >= M) must be zero; batch <= 4 reads rows < B
 // and entries m < M only. Batch <= 4 is launched with programmatic dependent launch (djv_bulk.cuh).
+// y_stats (may be null): the row statistics of y (djv_stats.cuh), from the reduction where there is one.
 template <typename T>
 inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int bs, int M, const T* w, const T* bias,
-                               const T* residual, T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st) {
-    if (!use_rows(B)) return launch_down_mma<T>(act, Mpad, idx, bs, M, w, bias, residual, y, part, ctr, B, d, st);
+                               const T* residual, T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st,
+                               float2* y_stats = nullptr) {
+    if (!use_rows(B)) {
+        cudaError_t e = launch_down_mma<T>(act, Mpad, idx, bs, M, w, bias, residual, y, part, ctr, B, d, st);
+        if (e != cudaSuccess || !y_stats) return e;
+        return launch_row_stats<T>(y, y_stats, B, d, st);
+    }
     const RowsDownPlan p = plan_rows_down(d, M);
     const int ctas = cdiv(p.C * p.S, kSkThreads / 32);
     auto go = [&](auto kern) {
@@ -266,7 +285,8 @@ inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int b
     cudaError_t e = rows_nb(B) == 1 ? go(rows_down_kernel<T, 1>)
                                     : (rows_nb(B) == 2 ? go(rows_down_kernel<T, 2>) : go(rows_down_kernel<T, 4>));
     if (e != cudaSuccess) return e;
-    if (p.C > 1) return launch_rows_reduce<T>(part, bias, residual, y, B, d, p.C, st);
+    if (p.C > 1) return launch_rows_reduce<T>(part, bias, residual, y, B, d, p.C, st, y_stats);
+    if (y_stats) return launch_row_stats<T>(y, y_stats, B, d, st);
     return cudaGetLastError();
 }
 

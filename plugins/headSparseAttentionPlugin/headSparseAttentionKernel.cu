@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
 struct AttnPlan {
     int nslots, R, tiles, proj_items, ksplit, L, nsplit, Mo;
     StreamK proj;  // batch <= 4
-    size_t smem, off_qkv, off_pproj, off_pattn, off_o, off_pdown, total;
+    size_t smem, off_qkv, off_pproj, off_pattn, off_o, off_pdown, off_xn, total;
     int ctr_attn, ctr_down, ctr_total;
 };
 
@@ -431,6 +431,7 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     p.off_pattn = o; o = align_up(o + (size_t)B * Kh * p.nsplit * GMAX * (hd + 2) * 4, 256);
     p.off_o = o; o = align_up(o + (size_t)16 * p.Mo * esize, 256);
     p.off_pdown = o; o = align_up(o + down_part_floats(B, d, p.Mo, p.Mo) * 4, 256);
+    p.off_xn = o; o = align_up(o + (size_t)B * d * esize, 256);  // x normalised, for a folded call
     p.total = o;
     return p;
 }
@@ -462,8 +463,8 @@ template <typename T>
 int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void* wq, const void* wk, const void* wv,
              const void* wo, const void* bq, const void* bk, const void* bv, const void* bo, const void* rc,
              const void* rs, void* kc, void* vc, const void* residual, void* y, int B, int d, int H, int Hkv, int hd,
-             int Kh, int Tlen,
-             int rotary, float scale, int policy, void* ws, cudaStream_t st) {
+             int Kh, int Tlen, int rotary, float scale, int policy, const float2* x_stats, int rms, float eps,
+             float2* y_stats, void* ws, cudaStream_t st) {
     const AttnPlan p = plan_attn(B, d, H, Hkv, hd, Kh, Tlen, policy, sizeof(T));
     char* base = static_cast<char*>(ws);
     unsigned* ctr = reinterpret_cast<unsigned*>(base);
@@ -472,6 +473,13 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     float* pattn = reinterpret_cast<float*>(base + p.off_pattn);
     T* o_act = reinterpret_cast<T*>(base + p.off_o);
     float* pdown = reinterpret_cast<float*>(base + p.off_pdown);
+    cudaError_t e = cudaSuccess;
+    if (x_stats) {  // folded norm: the projections read x as given, so normalise it into the workspace first
+        T* xn = reinterpret_cast<T*>(base + p.off_xn);
+        e = launch_apply_norm<T>(static_cast<const T*>(x), x_stats, xn, B, d, rms, eps, st);
+        if (e != cudaSuccess) return (int)e;
+        x = xn;
+    }
 #define DJV_PROJ(NT)                                                                                                   \
     qkv_proj_kernel<T, NT><<<dim3(p.tiles, p.ksplit), kProjThreads, 0, st>>>(                                        \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
@@ -482,7 +490,6 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
-    cudaError_t e = cudaSuccess;
     if (!use_rows(B)) {
         if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
     } else if (rows_nb(B) == 1) e = DJV_ROWS(1);
@@ -507,7 +514,7 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     }
     if (e != cudaSuccess) return (int)e;
     e = launch_down<T>(o_act, p.Mo, hidx, hd, p.Mo, static_cast<const T*>(wo), static_cast<const T*>(bo),
-                       static_cast<const T*>(residual), static_cast<T*>(y), pdown, ctr + p.ctr_down, B, d, st);
+                       static_cast<const T*>(residual), static_cast<T*>(y), pdown, ctr + p.ctr_down, B, d, st, y_stats);
     return (int)e;
 }
 
@@ -527,6 +534,44 @@ DJV_API size_t djv_head_attention_workspace_size(int B, int d, int H, int Hkv, i
     return need;
 }
 
+DJV_API int djv_head_sparse_attention_folded(const void* x, const int32_t* head_idx, const int32_t* position,
+                                             const void* w_q, const void* w_k, const void* w_v, const void* w_o_t,
+                                             const void* b_q, const void* b_k, const void* b_v, const void* b_o,
+                                             const void* rope_cos, const void* rope_sin, void* k_cache, void* v_cache,
+                                             const void* residual, void* y, int B, int d, int H, int Hkv, int hd,
+                                             int Kh, int T, int rotary, float scale, int kv_policy,
+                                             const float* x_stats, int norm_kind, float norm_eps, float* y_stats,
+                                             int dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    if (B < 1 || B > 16 || d < 8 || d % 8 || H < 1 || Hkv < 1 || H % Hkv || Kh < 1 || Kh > H || T < 1)
+        return DJV_E_SHAPE;
+    if (hd != 64 && hd != 128 && hd != 256) return DJV_E_SHAPE;
+    if ((x_stats || y_stats) && d > kStatCols * kStatMaxBlocks) return DJV_E_SHAPE;
+    if ((dtype != DJV_FLOAT16 && dtype != DJV_BFLOAT16) || (kv_policy != DJV_KV_DENSE && kv_policy != DJV_KV_ACTIVE) ||
+        (x_stats && norm_kind != DJV_LAYERNORM && norm_kind != DJV_RMSNORM))
+        return DJV_E_DTYPE;
+    if (!x || !head_idx || !position || !w_q || !w_k || !w_v || !w_o_t || !k_cache || !v_cache || !y ||
+        (rotary && (!rope_cos || !rope_sin)))
+        return DJV_E_POINTER;
+    if (!aligned16(x) || !aligned16(w_q) || !aligned16(w_k) || !aligned16(w_v) || !aligned16(w_o_t) ||
+        !aligned16(k_cache) || !aligned16(v_cache) || !aligned16(workspace) || !aligned16(y) ||
+        (residual && !aligned16(residual)) || (x_stats && !aligned16(x_stats)) || (y_stats && !aligned16(y_stats)))
+        return DJV_E_POINTER;
+    if (x_stats && x_stats == y_stats) return DJV_E_POINTER;
+    const AttnPlan p = plan_attn(B, d, H, Hkv, hd, Kh, T, kv_policy, 2);
+    if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
+    if (p.ctr_total > kMaxCounters || p.nsplit > kMaxSplits) return DJV_E_SHAPE;
+    const float2* xs = reinterpret_cast<const float2*>(x_stats);
+    float2* ys = reinterpret_cast<float2*>(y_stats);
+    const int rms = norm_kind == DJV_RMSNORM;
+    if (dtype == DJV_FLOAT16)
+        return run_attn<__half>(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos, rope_sin,
+                                k_cache, v_cache, residual, y, B, d, H, Hkv, hd, Kh, T, rotary, scale, kv_policy, xs, rms,
+                                norm_eps, ys, workspace, stream);
+    return run_attn<__nv_bfloat16>(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos,
+                                   rope_sin, k_cache, v_cache, residual, y, B, d, H, Hkv, hd, Kh, T, rotary, scale,
+                                   kv_policy, xs, rms, norm_eps, ys, workspace, stream);
+}
+
 DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, const int32_t* position,
                                       const void* w_q, const void* w_k, const void* w_v, const void* w_o_t,
                                       const void* b_q, const void* b_k, const void* b_v, const void* b_o,
@@ -534,28 +579,10 @@ DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, co
                                       const void* residual, void* y, int B, int d, int H, int Hkv, int hd, int Kh, int T, int rotary,
                                       float scale, int kv_policy, int dtype, void* workspace,
                                       size_t workspace_bytes, cudaStream_t stream) {
-    if (B < 1 || B > 16 || d < 8 || d % 8 || H < 1 || Hkv < 1 || H % Hkv || Kh < 1 || Kh > H || T < 1)
-        return DJV_E_SHAPE;
-    if (hd != 64 && hd != 128 && hd != 256) return DJV_E_SHAPE;
-    if ((dtype != DJV_FLOAT16 && dtype != DJV_BFLOAT16) || (kv_policy != DJV_KV_DENSE && kv_policy != DJV_KV_ACTIVE))
-        return DJV_E_DTYPE;
-    if (!x || !head_idx || !position || !w_q || !w_k || !w_v || !w_o_t || !k_cache || !v_cache || !y ||
-        (rotary && (!rope_cos || !rope_sin)))
-        return DJV_E_POINTER;
-    if (!aligned16(x) || !aligned16(w_q) || !aligned16(w_k) || !aligned16(w_v) || !aligned16(w_o_t) ||
-        !aligned16(k_cache) || !aligned16(v_cache) || !aligned16(workspace) || !aligned16(y) ||
-        (residual && !aligned16(residual)))
-        return DJV_E_POINTER;
-    const AttnPlan p = plan_attn(B, d, H, Hkv, hd, Kh, T, kv_policy, 2);
-    if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
-    if (p.ctr_total > kMaxCounters || p.nsplit > kMaxSplits) return DJV_E_SHAPE;
-    if (dtype == DJV_FLOAT16)
-        return run_attn<__half>(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos, rope_sin,
-                                k_cache, v_cache, residual, y, B, d, H, Hkv, hd, Kh, T, rotary, scale, kv_policy, workspace,
-                                stream);
-    return run_attn<__nv_bfloat16>(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos,
-                                   rope_sin, k_cache, v_cache, residual, y, B, d, H, Hkv, hd, Kh, T, rotary, scale, kv_policy,
-                                   workspace, stream);
+    return djv_head_sparse_attention_folded(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos,
+                                            rope_sin, k_cache, v_cache, residual, y, B, d, H, Hkv, hd, Kh, T, rotary,
+                                            scale, kv_policy, nullptr, DJV_LAYERNORM, 0.f, nullptr, dtype, workspace,
+                                            workspace_bytes, stream);
 }
 
 }  // extern "C"

@@ -34,6 +34,14 @@ constexpr int kBulkMaxStages = 8;
 constexpr size_t kBulkHeader = 2048;  // mbarriers [0, 128), cross-warp dot sums [128, 2048)
 constexpr size_t kBulkSmPerSm = 200 * 1024;
 
+// The folded-norm extras of djv_sparse_mlp_folded (djv_stats.cuh); all null/zero for djv_sparse_mlp.
+struct Fold {
+    const float2* x_stats;
+    int rms;
+    float eps;
+    float2* y_stats;
+};
+
 struct BulkPlan {
     int vpt, threads, stages, ctas, per, rem;
     size_t smem;
@@ -85,7 +93,7 @@ template <typename T, int NB, int ACT, int VPT>
 __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_bulk_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ idx, int bs, const T* __restrict__ w_gate,
     const T* __restrict__ w_up, const T* __restrict__ b_up, const T* __restrict__ w_down_t, float* __restrict__ part,
-    int B, int d, BulkPlan p) {
+    const float2* __restrict__ x_stats, int rms, float eps, int B, int d, BulkPlan p) {
 #ifdef DJV_BULK
     constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : 1;  // up-side rows per neuron
     constexpr int NSEG = NMAT + 1;
@@ -132,6 +140,25 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         for (int b = 0; b < NB; ++b) {
             xr[b][v] = (c < d && b < B) ? ld_keep(x + (size_t)b * d + c) : zero4();
             if (XF) unpack8<T>(xr[b][v], xf[XF ? b : 0][XF ? v : 0]);
+        }
+    }
+    if (x_stats) {  // folded norm (djv_stats.cuh): x <- round((x - mean) * rstd), while the first copies land
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            if (b >= B) break;
+            float mean, rstd;
+            norm_from_stats(x_stats + (size_t)b * stats_blocks(d), d, rms, eps, mean, rstd);
+#pragma unroll
+            for (int v = 0; v < VPT; ++v) {
+                if ((v * (int)blockDim.x + tid) * 8 >= d) continue;  // padding stays zero
+                float f[8];
+                unpack8<T>(xr[b][v], f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) f[e] = (f[e] - mean) * rstd;
+                xr[b][v] = make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]), pack2<T>(f[4], f[5]),
+                                      pack2<T>(f[6], f[7]));
+                if (XF) unpack8<T>(xr[b][v], xf[XF ? b : 0][XF ? v : 0]);
+            }
         }
     }
     float acc[NB][VPT][8] = {};
@@ -220,23 +247,24 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
 
 template <typename T, int NB, int ACT, int VPT>
 cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
-                     const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, int B, int d,
-                     cudaStream_t st) {
+                     const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, const Fold& f, int B,
+                     int d, cudaStream_t st) {
     auto* k = mlp_bulk_kernel<T, NB, ACT, VPT>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
-    e = launch_pdl(k, dim3(bp.ctas), dim3(bp.threads), bp.smem, st, x, idx, bs, wg, wu, bu, wd, part, B, d, bp);
+    e = launch_pdl(k, dim3(bp.ctas), dim3(bp.threads), bp.smem, st, x, idx, bs, wg, wu, bu, wd, part, f.x_stats,
+                   f.rms, f.eps, B, d, bp);
     if (e != cudaSuccess) return e;
-    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st);
+    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st, f.y_stats);
 }
 
 template <typename T, int ACT>
 cudaError_t run_bulk_any(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg,
                          const T* wu, const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part,
-                         int B, int d, cudaStream_t st) {
+                         const Fold& f, int B, int d, cudaStream_t st) {
 #define DJV_BULK_CASE(NB_, VPT_)                                                                     \
     if (rows_nb(B) == NB_ && bp.vpt == VPT_)                                                         \
-        return run_bulk<T, NB_, ACT, VPT_>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, B, d, st);
+        return run_bulk<T, NB_, ACT, VPT_>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, f, B, d, st);
     DJV_BULK_CASE(1, 1) DJV_BULK_CASE(1, 2) DJV_BULK_CASE(1, 4) DJV_BULK_CASE(1, 8)
     DJV_BULK_CASE(2, 1) DJV_BULK_CASE(2, 2) DJV_BULK_CASE(2, 4)
     DJV_BULK_CASE(4, 1) DJV_BULK_CASE(4, 2)
@@ -334,7 +362,7 @@ struct MlpPlan {
     int M, Mpad, tiles, up_items, ksplit;
     BulkPlan bulk;  // fused batch <= 4 kernel on sm_90, when bulk.ctas > 0
     StreamK up;  // batch <= 4
-    size_t off_act, off_up, off_down, total;
+    size_t off_act, off_up, off_down, off_xn, total;  // xn: x normalised by the fallback of a folded call
 };
 
 MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
@@ -350,7 +378,8 @@ MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
         p.up_items = 0;
         size_t o = kCounterBytes;
         p.off_act = p.off_up = p.off_down = o;
-        p.total = align_up(o + (size_t)p.bulk.ctas * B * d * 4, 256);
+        p.off_xn = align_up(o + (size_t)p.bulk.ctas * B * d * 4, 256);
+        p.total = align_up(p.off_xn + (size_t)B * d * esize, 256);
         return p;
     }
     if (use_rows(B)) {
@@ -366,6 +395,7 @@ MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
     p.off_act = o; o = align_up(o + (size_t)16 * p.Mpad * esize, 256);
     p.off_up = o; o = align_up(o + up_floats * 4, 256);
     p.off_down = o; o = align_up(o + down_part_floats(B, d, p.M, p.Mpad) * 4, 256);
+    p.off_xn = o; o = align_up(o + (size_t)B * d * esize, 256);
     p.total = o;
     return p;
 }
@@ -401,8 +431,7 @@ cudaError_t run_up_any(const MlpPlan& p, const T* x, const int32_t* idx, int bs,
 template <typename T>
 int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w_up, const void* b_up,
             const void* w_down_t, const void* b_down, const void* residual, void* y, int B, int d, int K, int bs,
-            int act, void* ws,
-            cudaStream_t st) {
+            int act, const Fold& f, void* ws, cudaStream_t st) {
     const MlpPlan p = plan_mlp(B, d, K, bs, act, sizeof(T));
     char* base = static_cast<char*>(ws);
     unsigned* ctr_up = reinterpret_cast<unsigned*>(base);
@@ -420,19 +449,25 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     const T* rt = static_cast<const T*>(residual);
     if (p.bulk.ctas > 0) {
         switch (act) {
-        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, B, d, st);
-        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, B, d, st);
-        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, B, d, st);
+        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, f, B, d, st);
+        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, f, B, d, st);
+        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, f, B, d, st);
         }
     }
     cudaError_t e;
+    if (f.x_stats) {  // these kernels read x as given: normalise it into the workspace first
+        T* xn = reinterpret_cast<T*>(base + p.off_xn);
+        e = launch_apply_norm<T>(xt, f.x_stats, xn, B, d, f.rms, f.eps, st);
+        if (e != cudaSuccess) return (int)e;
+        xt = xn;
+    }
     switch (act) {
     case DJV_RELU: e = run_up_any<T, DJV_RELU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
     case DJV_GELU: e = run_up_any<T, DJV_GELU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
     default: e = run_up_any<T, DJV_SILU_GLU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
     }
     if (e != cudaSuccess) return (int)e;
-    e = launch_down<T>(a, p.Mpad, idx, bs, p.M, wd, bd, rt, yt, pd, ctr_down, B, d, st);
+    e = launch_down<T>(a, p.Mpad, idx, bs, p.M, wd, bd, rt, yt, pd, ctr_down, B, d, st, f.y_stats);
     return (int)e;
 }
 
@@ -455,28 +490,43 @@ DJV_API size_t djv_sparse_mlp_workspace_size(int B, int d, int N, int K, int blo
     return need;
 }
 
+DJV_API int djv_sparse_mlp_folded(const void* x, const int32_t* idx, const void* w_gate, const void* w_up,
+                                  const void* b_up, const void* w_down_t, const void* b_down, const void* residual,
+                                  void* y, int B, int d, int N, int K, int block_size, int activation,
+                                  const float* x_stats, int norm_kind, float norm_eps, float* y_stats, int dtype,
+                                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    if (B < 1 || B > 16 || d < 8 || d % 8 || K < 1 || block_size < 1 || (long long)K * block_size > N)
+        return DJV_E_SHAPE;
+    if ((x_stats || y_stats) && d > kStatCols * kStatMaxBlocks) return DJV_E_SHAPE;
+    if (activation < DJV_RELU || activation > DJV_SILU_GLU || (dtype != DJV_FLOAT16 && dtype != DJV_BFLOAT16) ||
+        (x_stats && norm_kind != DJV_LAYERNORM && norm_kind != DJV_RMSNORM))
+        return DJV_E_DTYPE;
+    if (!x || !idx || !w_up || !w_down_t || !y || (activation == DJV_SILU_GLU && !w_gate)) return DJV_E_POINTER;
+    if (!aligned16(x) || !aligned16(w_up) || !aligned16(w_down_t) || (w_gate && !aligned16(w_gate)) ||
+        (residual && !aligned16(residual)) || !aligned16(y) || !aligned16(workspace) ||
+        (x_stats && !aligned16(x_stats)) || (y_stats && !aligned16(y_stats)))
+        return DJV_E_POINTER;
+    if (x_stats && x_stats == y_stats) return DJV_E_POINTER;
+    const MlpPlan p = plan_mlp(B, d, K, block_size, activation, 2);
+    if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
+    if (p.up_items + down_counters(d) > kMaxCounters) return DJV_E_SHAPE;
+    const Fold f{reinterpret_cast<const float2*>(x_stats), norm_kind == DJV_RMSNORM, norm_eps,
+                 reinterpret_cast<float2*>(y_stats)};
+    if (dtype == DJV_FLOAT16)
+        return run_mlp<__half>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, residual, y, B, d, K, block_size, activation,
+                               f, workspace, stream);
+    return run_mlp<__nv_bfloat16>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, residual, y, B, d, K, block_size,
+                                  activation, f, workspace, stream);
+}
+
 DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w_up, const void* b_up,
                            const void* w_down_t, const void* b_down, const void* residual, void* y, int B, int d,
                            int N, int K,
                            int block_size, int activation, int dtype, void* workspace, size_t workspace_bytes,
                            cudaStream_t stream) {
-    if (B < 1 || B > 16 || d < 8 || d % 8 || K < 1 || block_size < 1 || (long long)K * block_size > N)
-        return DJV_E_SHAPE;
-    if (activation < DJV_RELU || activation > DJV_SILU_GLU || (dtype != DJV_FLOAT16 && dtype != DJV_BFLOAT16))
-        return DJV_E_DTYPE;
-    if (!x || !idx || !w_up || !w_down_t || !y || (activation == DJV_SILU_GLU && !w_gate)) return DJV_E_POINTER;
-    if (!aligned16(x) || !aligned16(w_up) || !aligned16(w_down_t) || (w_gate && !aligned16(w_gate)) ||
-        (residual && !aligned16(residual)) || !aligned16(y) ||
-        !aligned16(workspace))
-        return DJV_E_POINTER;
-    const MlpPlan p = plan_mlp(B, d, K, block_size, activation, 2);
-    if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
-    if (p.up_items + down_counters(d) > kMaxCounters) return DJV_E_SHAPE;
-    if (dtype == DJV_FLOAT16)
-        return run_mlp<__half>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, residual, y, B, d, K, block_size, activation,
-                               workspace, stream);
-    return run_mlp<__nv_bfloat16>(x, idx, w_gate, w_up, b_up, w_down_t, b_down, residual, y, B, d, K, block_size, activation,
-                                  workspace, stream);
+    return djv_sparse_mlp_folded(x, idx, w_gate, w_up, b_up, w_down_t, b_down, residual, y, B, d, N, K, block_size,
+                                 activation, nullptr, DJV_LAYERNORM, 0.f, nullptr, dtype, workspace, workspace_bytes,
+                                 stream);
 }
 
 }  // extern "C"

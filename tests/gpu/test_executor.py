@@ -159,3 +159,23 @@ def test_out_of_memory_names_sizes():
     huge = int(free // (16 * 4 * 64 * 2)) * 2  # one layer's K cache alone is twice the free memory
     with pytest.raises(DejaVuError, match=r"out of memory allocating the KV cache .* GiB"):
         Executor(gw, batch=16, max_context=huge)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_folded_mlp_norm_matches_unfolded(family, batch):
+    """The kernels' sparse decode with mlp_norm folded into the MLP (the default) against the same decode
+    with the norm kernel, in a CUDA graph with the side-stream predictor: same logits to fp16 rounding."""
+    from dejavu_trt import kernels
+    from dejavu_trt.runtime.executor import Executor
+    if not kernels.available():
+        pytest.skip("libdejavu_kernels is not built (python -m dejavu_trt.kernels.build)")
+    gw, _ = _weights(family, "cuda", torch.float16)
+    prompt = torch.randint(0, 512, (batch, 6), generator=torch.Generator().manual_seed(5))
+    folded = Executor(gw, ops="kernels", batch=batch, max_context=32, fold_norms=True)
+    plain = Executor(gw, ops="kernels", batch=batch, max_context=32, fold_norms=False)
+    assert folded.fold_norms and not plain.fold_norms
+    a, b = _decode(folded, prompt, 6), _decode(plain, prompt, 6)
+    agree = (a.argmax(-1) == b.argmax(-1)).all(-1).cumprod(0).bool()
+    assert agree[:2].all()
+    torch.testing.assert_close(a[agree], b[agree], atol=_tol(b), rtol=0)

@@ -396,6 +396,139 @@ def test_norm_rejects_bad_shapes():
             kernels.norm(torch.ones(2, d, device="cuda", dtype=torch.float16), w[:d], kind="layernorm", eps=1e-5)
 
 
+# ------------------------------------------------------------------------- norm folding (row statistics)
+def stats64(z):
+    """fp64 reference of kernels.row_stats: (mean, M2) of each 64-column block of each row."""
+    zd = z.double().reshape(-1, z.shape[-1])
+    out = []
+    for j in range(0, zd.shape[1], 64):
+        blk = zd[:, j:j + 64]
+        m = blk.mean(1)
+        out.append(torch.stack([m, ((blk - m[:, None]) ** 2).sum(1)], -1))
+    return torch.stack(out, 1)
+
+
+def check_stats(st, z):
+    want = stats64(z)
+    assert st.shape == want.shape and torch.isfinite(st).all(), "unwritten (NaN-poisoned) statistics"
+    scale = z.double().abs().max().item()
+    torch.testing.assert_close(st[..., 0].double(), want[..., 0], rtol=1e-5, atol=1e-6 * scale)
+    torch.testing.assert_close(st[..., 1].double(), want[..., 1], rtol=1e-4, atol=1e-5 * scale * scale)
+
+
+def normed64(h, kind, eps, w=None, b=None):
+    hd = h.double()
+    if kind == "layernorm":
+        y = F.layer_norm(hd, (h.shape[-1],), None, None, eps)
+    else:
+        y = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps)
+    return y * w.double() + (b.double() if b is not None else 0) if w is not None else y
+
+
+@pytest.mark.parametrize("rows,d", [(1, 8), (1, 5120), (3, 200), (16, 576), (2, 16384), (5, 1032)])
+def test_row_stats(rows, d):
+    z = rand(rows, d, dtype=torch.float16, scale=3.0) + 1.5
+    st = torch.full((rows, kernels.stats_blocks(d), 2), float("nan"), device="cuda")
+    kernels.row_stats(z, out=st)
+    check_stats(st, z)
+
+
+def test_row_stats_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="shape|size"):
+        kernels.row_stats(torch.ones(2, 16392, device="cuda", dtype=torch.float16))
+
+
+FOLD_MLP_CASES = [  # B, d, N, K, activation, norm: the sm_90 fused kernel, the portable and tensor-core paths
+    (1, 5120, 4096, 1024, "relu", "layernorm"),
+    (2, 576, 1536, 768, "silu_glu", "rmsnorm"),    # SmolLM2 shape, fused kernel
+    (4, 5120, 3000, 1200, "gelu", "layernorm"),    # past the fused kernel's register limit: portable kernels
+    (3, 200, 37, 5, "relu", "layernorm"),          # one down chunk (no reduction: statistics read back)
+    (16, 1032, 1000, 333, "silu_glu", "rmsnorm"),  # tensor cores
+    (1, 8192, 4096, 3000, "silu_glu", "rmsnorm"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("B,d,N,K,activation,kind", FOLD_MLP_CASES)
+def test_sparse_mlp_folded_norm(B, d, N, K, activation, kind, dtype):
+    """MLP(norm(h)) with the norm's weight and bias folded into the weights and the normalisation done from
+    h's block statistics, against the fp64 reference of the unfolded layer; y_stats are y's statistics."""
+    h, p = make_mlp(B, d, N, activation, dtype)
+    h = (h.float() * 2 + 0.7).to(dtype)  # a mean and scale away from 0 and 1: the norm must matter
+    g = rand(d, dtype=dtype, scale=0.3) + 1.0
+    beta = rand(d, dtype=dtype, scale=0.2) if kind == "layernorm" else None
+    idx = rand_idx(N, K)
+    eps = 1e-5
+    x = normed64(h, kind, eps, g, beta)
+    want = ref.sparse_mlp(x, idx, activation=activation, **{k: d64(v) for k, v in p.items()})
+    q = dict(p)
+    q["w_up"], bu = kernels.fold_norm(p["w_up"], g, beta, p.get("b_up"))
+    if "b_up" in p:
+        q["b_up"] = bu
+    if "w_gate" in p:
+        q["w_gate"], _ = kernels.fold_norm(p["w_gate"], g)
+    h_stats = kernels.row_stats(h)
+    y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+    y_stats = torch.full((B, kernels.stats_blocks(d), 2), float("nan"), device="cuda")
+    kernels.sparse_mlp(h, idx, activation=activation, out=y, x_stats=h_stats, norm_kind=kind, norm_eps=eps,
+                       y_stats=y_stats, **q)
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    assert relerr(y, want) < 2 * TOL[dtype]  # one more rounding (the folded weights) than the plain call
+    check_stats(y_stats, y)
+    # the same op unfolded (separate norm kernel, original weights) agrees to rounding
+    xn = kernels.norm(h, g, beta, kind=kind, eps=eps)
+    assert relerr(y, kernels.sparse_mlp(xn, idx, activation=activation, **p)) < 2 * TOL[dtype]
+    # with the residual fused: h + MLP(norm(h)), h read as both input and residual
+    yr = kernels.sparse_mlp(h, idx, activation=activation, residual=h, x_stats=h_stats, norm_kind=kind,
+                            norm_eps=eps, **q)
+    assert relerr(yr.double() - h.double(), want) < 4 * TOL[dtype]
+
+
+def test_folded_calls_reject_bad_arguments():
+    h, p = make_mlp(1, 256, 64, "relu", torch.float16)
+    idx = rand_idx(64, 8)
+    st = kernels.row_stats(h)
+    with pytest.raises(ValueError, match="norm_kind"):
+        kernels.sparse_mlp(h, idx, activation="relu", x_stats=st, **p)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.sparse_mlp(h, idx, activation="relu", x_stats=st.half(), norm_kind="layernorm", **p)
+    with pytest.raises(ValueError, match="pointer"):  # the statistics of y cannot overwrite those of x
+        kernels.sparse_mlp(h, idx, activation="relu", x_stats=st, norm_kind="layernorm", y_stats=st, **p)
+
+
+@pytest.mark.parametrize("B,H,Hkv,hd,d,T,Kh", [(1, 40, 40, 128, 5120, 70, 8), (3, 16, 4, 64, 264, 70, 5),
+                                               (16, 9, 3, 64, 576, 40, 4)])
+def test_attention_writes_output_stats(B, H, Hkv, hd, d, T, Kh):
+    """y_stats of the attention call (from its partial-sum reduction, or read back for batch > 4) are the
+    block statistics of the y it wrote; y itself is unchanged by asking for them."""
+    dtype = torch.float16
+    x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
+    hidx = rand_idx(H, Kh)
+    pos = torch.randint(0, T, (B,), device="cuda", dtype=torch.int32)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
+    h = rand(B, d, dtype=dtype)
+    kc0, vc0 = kc.clone(), vc.clone()
+    y0, _, _ = kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, residual=h, **kw)
+    kc.copy_(kc0)
+    vc.copy_(vc0)
+    st = torch.full((B, kernels.stats_blocks(d), 2), float("nan"), device="cuda")
+    y, _, _ = kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, residual=h, y_stats=st, **kw)
+    assert torch.equal(y, y0)
+    check_stats(st, y)
+    # and with the input norm folded (RMSNorm, weight folded into w_q/w_k/w_v): the fallback path
+    g = rand(d, dtype=dtype, scale=0.3) + 1.0
+    xs = kernels.row_stats(x)
+    wf = dict(w)
+    for k in ("w_q", "w_k", "w_v"):
+        wf[k], _ = kernels.fold_norm(w[k], g)
+    kc.copy_(kc0)
+    vc.copy_(vc0)
+    yf, _, _ = kernels.head_sparse_attention(x, hidx, pos, *wf.values(), kc, vc, residual=h, x_stats=xs,
+                                             norm_kind="rmsnorm", norm_eps=1e-5, **kw)
+    want, _, _ = attn_ref(normed64(x, "rmsnorm", 1e-5, g).to(dtype), hidx, pos, w, kc0, vc0, **kw)
+    assert relerr(yf.double() - h.double(), want) < 4 * TOL[dtype]
+
+
 # -------------------------------------------------------------------------------------- CUDA graph
 def test_cuda_graph_capture_and_replay():
     dtype = torch.float16
@@ -443,8 +576,9 @@ def test_cuda_graph_capture_and_replay():
 
 
 # ------------------------------------------------------------------- programmatic dependent launch chain
+@pytest.mark.parametrize("fold", [False, True], ids=["norm-kernel", "norm-folded"])
 @pytest.mark.parametrize("B,d,N", [(1, 1024, 4096), (2, 1032, 3000), (4, 520, 2000)])
-def test_layer_chain_matches_serialized(B, d, N):
+def test_layer_chain_matches_serialized(B, d, N, fold):
     """Several decoder layers' ops back to back on one stream - predictor, norm, attention (+ residual), norm,
     MLP (+ residual) - sharing each op's cached workspace. On sm_90 every kernel but the predictor's launches
     with programmatic dependent launch: it may be resident before the kernel before it ends, and waits for
@@ -465,6 +599,7 @@ def test_layer_chain_matches_serialized(B, d, N):
     K, Kh = N // 4 + 1, 3
     mis = [torch.empty(K, device="cuda", dtype=torch.int32) for _ in range(layers)]
     his = [torch.empty(Kh, device="cuda", dtype=torch.int32) for _ in range(layers)]
+    sts = [kernels.empty_stats(B, d, "cuda") for _ in range(layers)]
     caches0 = [(kc.clone(), vc.clone()) for _, _, kc, vc, _, _ in ws]
 
     def run(sync):
@@ -476,9 +611,16 @@ def test_layer_chain_matches_serialized(B, d, N):
             x = kernels.norm(h, ln[0], None, kind="rmsnorm", eps=1e-5)
             if sync:
                 torch.cuda.synchronize()
-            h, _, _ = kernels.head_sparse_attention(x, his[i], pos, *w.values(), kc, vc, residual=h, **kw)
+            h, _, _ = kernels.head_sparse_attention(x, his[i], pos, *w.values(), kc, vc, residual=h,
+                                                    y_stats=sts[i] if fold else None, **kw)
             if sync:
                 torch.cuda.synchronize()
+            if fold:  # the MLP normalises h from the statistics the attention wrote (weights as given)
+                h = kernels.sparse_mlp(h, mis[i], activation="gelu", residual=h, x_stats=sts[i],
+                                       norm_kind="rmsnorm", norm_eps=1e-5, **p)
+                if sync:
+                    torch.cuda.synchronize()
+                continue
             x = kernels.norm(h, ln[1], None, kind="rmsnorm", eps=1e-5)
             if sync:
                 torch.cuda.synchronize()
