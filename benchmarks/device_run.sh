@@ -9,7 +9,8 @@
 # Steps: tests (pytest tests/gpu), tests-portable (DJV_NO_BULK=1 DJV_TOPK_R8=1: the sm_80 kernels on the
 # H200), tests-nopdl, kernels (bench_kernels --focus), attn / mlp (bench_kernels, OPT-13B attention / all
 # MLP shapes), e2e (bench_e2e --opt13b, all batches + HF eager), e2e-pdl (bench_e2e --core at B=1/4
-# with and without programmatic dependent launch), profile (bench_e2e --profile-step).
+# with and without programmatic dependent launch), e2e-core (bench_e2e --core at B=1/4: dense, sparse, and the
+# mlp_norm fold A/B), profile (bench_e2e --profile-step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -58,6 +59,7 @@ for step in "$@"; do
     mlp) run mlp -- $PY benchmarks/bench_kernels.py --focus --only mlp --json "$LOGS/mlp.json" ;;
     attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
     e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
+    e2e-core) run e2e-core -- $PY "${E2E_CORE[@]}" ;;  # dense, sparse, and sparse with mlp_norm unfolded, B=1/4
     e2e-pdl)  # the launch chain on and off (DJV_NO_PDL=1), B=1/4
         run e2e-pdl -- $PY "${E2E_CORE[@]}"
         run e2e-nopdl DJV_NO_PDL=1 -- $PY "${E2E_CORE[@]}" ;;
