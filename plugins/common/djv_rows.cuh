@@ -200,8 +200,8 @@ __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __res
 // y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias). CTA: 16 float4 columns x 16 chunk lanes,
 // so a column's partials are read by 16 threads at once (one L2 round trip per 16 chunks).
 constexpr int kReduceLanes = 16;
-// y_stats (may be null): each CTA's 64 columns are one statistics block (djv_stats.cuh) of the rounded y.
-template <typename T>
+// STATS: each CTA's 64 columns are one statistics block (djv_stats.cuh) of the rounded y, into y_stats.
+template <typename T, bool STATS>
 __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
                                                           const T* residual, T* y, float2* __restrict__ y_stats, int B,
                                                           int d, int C) {
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
     }
     red[kl][cl] = s;
     __syncthreads();
-    if (threadIdx.x >= 32) return;  // warp 0 finishes; its lanes 0-15 own one float4 column each
+    if (STATS ? threadIdx.x >= 32 : (kl != 0 || !ok)) return;  // lanes 0-15 own one float4 column each
     const bool mine = kl == 0 && ok;
     float v[4] = {};
     if (mine) {
@@ -242,17 +242,17 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
         *reinterpret_cast<uint2*>(y + (size_t)b * d + col) = o;
         v[0] = round_io<T>(t.x); v[1] = round_io<T>(t.y); v[2] = round_io<T>(t.z); v[3] = round_io<T>(t.w);
     }
-    if (y_stats)  // 16 float4 columns = one 64-column statistics block
+    if (STATS)  // 16 float4 columns = one 64-column statistics block
         store_block_stats<4>(v, mine ? 4 : 0, min(kStatCols, d - (int)blockIdx.x * kStatCols),
-                             y_stats + (size_t)b * gridDim.x + blockIdx.x);
+                             y_stats + (size_t)b * stats_blocks(d) + blockIdx.x);
 }
 
 template <typename T>
 inline cudaError_t launch_rows_reduce(const float* part, const T* bias, const T* residual, T* y, int B, int d, int C,
                                       cudaStream_t st, float2* y_stats = nullptr) {
     static_assert(16 * 4 == kStatCols, "one reduction CTA per statistics block");
-    return launch_pdl(rows_reduce_kernel<T>, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, y_stats,
-                      B, d, C);
+    auto k = y_stats ? rows_reduce_kernel<T, true> : rows_reduce_kernel<T, false>;
+    return launch_pdl(k, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, y_stats, B, d, C);
 }
 
 // ---------------------------------------------------------------------------------------------

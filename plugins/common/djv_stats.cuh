@@ -16,26 +16,30 @@ namespace djv {
 
 constexpr int kStatCols = 64;
 constexpr int kStatMaxBlocks = 256;  // d <= 16384
-__host__ __device__ inline int stats_blocks(int d) { return (d + kStatCols - 1) / kStatCols; }
+// Blocks per row, and the row stride in pairs (even: a row starts 16-byte aligned and is read as float4).
+__host__ __device__ inline int stats_real_blocks(int d) { return (d + kStatCols - 1) / kStatCols; }
+__host__ __device__ inline int stats_blocks(int d) { return (stats_real_blocks(d) + 1) & ~1; }
 
 template <typename T> __device__ __forceinline__ float round_io(float v) { return to_f(from_f<T>(v)); }
 
 // Warp-collective (all 32 lanes, uniform arguments): the block statistics of one row -> (mean, rstd) of
-// the norm. RMSNorm: mean = 0, rstd = rsqrt(mean(x^2) + eps).
+// the norm. RMSNorm: mean = 0, rstd = rsqrt(mean(x^2) + eps). Every consumer CTA reads the same few
+// hundred bytes, so callers use one warp per CTA (an L2 hot spot otherwise) and 16-byte loads.
 __device__ __forceinline__ void norm_from_stats(const float2* __restrict__ st, int d, int rms, float eps,
                                                 float& mean, float& rstd) {
-    const int lane = threadIdx.x & 31, nblk = stats_blocks(d);
-    float2 r[kStatMaxBlocks / 32];
+    constexpr int J = kStatMaxBlocks / 64;  // float4 (two blocks) per lane
+    const int lane = threadIdx.x & 31, nblk = stats_real_blocks(d);
+    float4 r[J];
     float s = 0.f, q = 0.f;
+    auto n_of = [&](int k) { return k < nblk ? (float)min(kStatCols, d - k * kStatCols) : 0.f; };
 #pragma unroll
-    for (int j = 0; j < kStatMaxBlocks / 32; ++j) {
-        const int k = lane + 32 * j;
-        r[j] = k < nblk ? __ldcg(st + k) : make_float2(0.f, 0.f);
-        const float n = (float)min(kStatCols, d - k * kStatCols);
-        if (k < nblk) {
-            s = fmaf(n, r[j].x, s);
-            q += rms ? fmaf(n * r[j].x, r[j].x, r[j].y) : r[j].y;
-        }
+    for (int j = 0; j < J; ++j) {
+        const int k = 2 * (lane + 32 * j);
+        r[j] = k < nblk ? __ldcg(reinterpret_cast<const float4*>(st + k)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float n0 = n_of(k), n1 = n_of(k + 1);  // n = 0: a padding pair, never written
+        s += n0 * r[j].x + (n1 > 0.f ? n1 * r[j].z : 0.f);
+        q += rms ? n0 * r[j].x * r[j].x + r[j].y + (n1 > 0.f ? n1 * r[j].z * r[j].z + r[j].w : 0.f)
+                 : r[j].y + (n1 > 0.f ? r[j].w : 0.f);
     }
     const float inv_d = 1.f / (float)d;
     if (rms) {
@@ -45,12 +49,10 @@ __device__ __forceinline__ void norm_from_stats(const float2* __restrict__ st, i
     }
     mean = warp_sum(s) * inv_d;
 #pragma unroll
-    for (int j = 0; j < kStatMaxBlocks / 32; ++j) {
-        const int k = lane + 32 * j;
-        if (k < nblk) {
-            const float n = (float)min(kStatCols, d - k * kStatCols), t = r[j].x - mean;
-            q = fmaf(n * t, t, q);
-        }
+    for (int j = 0; j < J; ++j) {
+        const int k = 2 * (lane + 32 * j);
+        const float n0 = n_of(k), n1 = n_of(k + 1), t0 = r[j].x - mean, t1 = r[j].z - mean;
+        q += n0 * t0 * t0 + (n1 > 0.f ? n1 * t1 * t1 : 0.f);
     }
     rstd = rsqrtf(warp_sum(q) * inv_d + eps);
 }
@@ -83,12 +85,12 @@ __global__ void __launch_bounds__(32) row_stats_kernel(const T* __restrict__ z, 
     float v[8] = {};
     const bool ok = lane < 8 && col < d;  // d % 8 == 0
     if (ok) unpack8<T>(*reinterpret_cast<const uint4*>(z + (size_t)r * d + col), v);
-    store_block_stats<8>(v, ok ? 8 : 0, min(kStatCols, d - j * kStatCols), stats + (size_t)r * gridDim.x + j);
+    store_block_stats<8>(v, ok ? 8 : 0, min(kStatCols, d - j * kStatCols), stats + (size_t)r * stats_blocks(d) + j);
 }
 
 template <typename T>
 inline cudaError_t launch_row_stats(const T* z, float2* stats, int rows, int d, cudaStream_t st) {
-    return launch_pdl(row_stats_kernel<T>, dim3(stats_blocks(d), rows), dim3(32), 0, st, z, stats, d);
+    return launch_pdl(row_stats_kernel<T>, dim3(stats_real_blocks(d), rows), dim3(32), 0, st, z, stats, d);
 }
 
 // y = round((x - mean) * rstd) from x's block statistics: the fallback for kernels that do not normalise
@@ -98,11 +100,17 @@ template <typename T>
 __global__ void __launch_bounds__(kApplyNormThreads) apply_norm_kernel(const T* __restrict__ x,
                                                                        const float2* __restrict__ stats,
                                                                        T* __restrict__ y, int d, int rms, float eps) {
+    __shared__ float s_norm[2];
     pdl_wait_primary();
     pdl_launch_dependents();
     const int r = blockIdx.y;
-    float mean, rstd;
-    norm_from_stats(stats + (size_t)r * stats_blocks(d), d, rms, eps, mean, rstd);
+    if (threadIdx.x < 32) {
+        float m, rs;
+        norm_from_stats(stats + (size_t)r * stats_blocks(d), d, rms, eps, m, rs);
+        if (threadIdx.x == 0) { s_norm[0] = m; s_norm[1] = rs; }
+    }
+    __syncthreads();
+    const float mean = s_norm[0], rstd = s_norm[1];
     const int col = (blockIdx.x * kApplyNormThreads + threadIdx.x) * 8;
     if (col >= d) return;
     float v[8];

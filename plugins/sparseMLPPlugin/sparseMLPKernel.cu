@@ -89,7 +89,8 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     return p;
 }
 
-template <typename T, int NB, int ACT, int VPT>
+// FOLD: x is normalised here from its row statistics (djv_stats.cuh; djv_sparse_mlp_folded).
+template <typename T, int NB, int ACT, int VPT, bool FOLD>
 __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_bulk_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ idx, int bs, const T* __restrict__ w_gate,
     const T* __restrict__ w_up, const T* __restrict__ b_up, const T* __restrict__ w_down_t, float* __restrict__ part,
@@ -142,12 +143,22 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             if (XF) unpack8<T>(xr[b][v], xf[XF ? b : 0][XF ? v : 0]);
         }
     }
-    if (x_stats) {  // folded norm (djv_stats.cuh): x <- round((x - mean) * rstd), while the first copies land
+    if (FOLD) {  // folded norm: x <- round((x - mean) * rstd), while the first copies land
+        // One warp combines the statistics (all CTAs read the same bytes: one warp each keeps the L2 hot
+        // spot small) and shares (mean, rstd) through shared memory past the dot-sum slots.
+        float* s_norm = red + 2 * 8 * 8;
+        if (wid == nw - 1) {
+            for (int b = 0; b < B && b < NB; ++b) {
+                float mean, rstd;
+                norm_from_stats(x_stats + (size_t)b * stats_blocks(d), d, rms, eps, mean, rstd);
+                if (lane == 0) { s_norm[2 * b] = mean; s_norm[2 * b + 1] = rstd; }
+            }
+        }
+        __syncthreads();
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             if (b >= B) break;
-            float mean, rstd;
-            norm_from_stats(x_stats + (size_t)b * stats_blocks(d), d, rms, eps, mean, rstd);
+            const float mean = s_norm[2 * b], rstd = s_norm[2 * b + 1];
 #pragma unroll
             for (int v = 0; v < VPT; ++v) {
                 if ((v * (int)blockDim.x + tid) * 8 >= d) continue;  // padding stays zero
@@ -249,7 +260,7 @@ template <typename T, int NB, int ACT, int VPT>
 cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
                      const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, const Fold& f, int B,
                      int d, cudaStream_t st) {
-    auto* k = mlp_bulk_kernel<T, NB, ACT, VPT>;
+    auto* k = f.x_stats ? mlp_bulk_kernel<T, NB, ACT, VPT, true> : mlp_bulk_kernel<T, NB, ACT, VPT, false>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
     e = launch_pdl(k, dim3(bp.ctas), dim3(bp.threads), bp.smem, st, x, idx, bs, wg, wu, bu, wd, part, f.x_stats,

@@ -409,8 +409,11 @@ def stats64(z):
 
 
 def check_stats(st, z):
+    """st [rows, stats_blocks(d), 2]: the real blocks, then at most one padding pair (the row stride is even)."""
     want = stats64(z)
-    assert st.shape == want.shape and torch.isfinite(st).all(), "unwritten (NaN-poisoned) statistics"
+    assert st.shape[1] == want.shape[1] + want.shape[1] % 2
+    st = st[:, :want.shape[1]]
+    assert torch.isfinite(st).all(), "unwritten (NaN-poisoned) statistics"
     scale = z.double().abs().max().item()
     torch.testing.assert_close(st[..., 0].double(), want[..., 0], rtol=1e-5, atol=1e-6 * scale)
     torch.testing.assert_close(st[..., 1].double(), want[..., 1], rtol=1e-4, atol=1e-5 * scale * scale)
@@ -425,7 +428,7 @@ def normed64(h, kind, eps, w=None, b=None):
     return y * w.double() + (b.double() if b is not None else 0) if w is not None else y
 
 
-@pytest.mark.parametrize("rows,d", [(1, 8), (1, 5120), (3, 200), (16, 576), (2, 16384), (5, 1032)])
+@pytest.mark.parametrize("rows,d", [(1, 8), (1, 5120), (3, 200), (16, 576), (2, 16384), (5, 1032), (3, 136)])
 def test_row_stats(rows, d):
     z = rand(rows, d, dtype=torch.float16, scale=3.0) + 1.5
     st = torch.full((rows, kernels.stats_blocks(d), 2), float("nan"), device="cuda")
