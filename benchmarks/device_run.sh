@@ -60,6 +60,10 @@ for step in "$@"; do
     attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
     e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
     e2e-core) run e2e-core -- $PY "${E2E_CORE[@]}" ;;  # dense, sparse, and sparse with mlp_norm unfolded, B=1/4
+    e2e-core-applynorm)  # the same, the folded norm done by its own kernel (DJV_FOLD_IN_MLP=0), B=1/4/16
+        run e2e-core-applynorm DJV_FOLD_IN_MLP=0 -- $PY "${E2E_CORE[@]}" 16 ;;
+    tests-applynorm) run tests-applynorm DJV_FOLD_IN_MLP=0 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu \
+        -k "fold or chain or executor" ;;
     e2e-pdl)  # the launch chain on and off (DJV_NO_PDL=1), B=1/4
         run e2e-pdl -- $PY "${E2E_CORE[@]}"
         run e2e-nopdl DJV_NO_PDL=1 -- $PY "${E2E_CORE[@]}" ;;

@@ -8,6 +8,8 @@
 //  Batch <= 4 on sm_90 (d <= 16384 at batch 1, 8192 at 2, 4096 at 3-4): mlp_bulk_kernel does up, activation and down in one pass, streaming
 //     whole rows through shared memory with bulk copies (djv_bulk.cuh); the activations stay on chip.
 // (A bulk-copy QKV kernel and output projection were tried for attention and measured no faster there.)
+#include <stdlib.h>
+#include <string.h>
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"
@@ -458,19 +460,24 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     const T* wd = static_cast<const T*>(w_down_t);
     T* yt = static_cast<T*>(y);
     const T* rt = static_cast<const T*>(residual);
-    if (p.bulk.ctas > 0) {
-        switch (act) {
-        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, f, B, d, st);
-        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, f, B, d, st);
-        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, f, B, d, st);
-        }
-    }
     cudaError_t e;
-    if (f.x_stats) {  // these kernels read x as given: normalise it into the workspace first
+    Fold g = f;
+    // Only the fused kernel normalises x itself; for the others (and with DJV_FOLD_IN_MLP=0, an A/B knob)
+    // one more kernel normalises x into the workspace first.
+    static const bool in_kernel = !getenv("DJV_FOLD_IN_MLP") || strcmp(getenv("DJV_FOLD_IN_MLP"), "0") != 0;
+    if (f.x_stats && !(p.bulk.ctas > 0 && in_kernel)) {
         T* xn = reinterpret_cast<T*>(base + p.off_xn);
         e = launch_apply_norm<T>(xt, f.x_stats, xn, B, d, f.rms, f.eps, st);
         if (e != cudaSuccess) return (int)e;
         xt = xn;
+        g.x_stats = nullptr;
+    }
+    if (p.bulk.ctas > 0) {
+        switch (act) {
+        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, g, B, d, st);
+        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, g, B, d, st);
+        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, g, B, d, st);
+        }
     }
     switch (act) {
     case DJV_RELU: e = run_up_any<T, DJV_RELU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
@@ -478,7 +485,7 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     default: e = run_up_any<T, DJV_SILU_GLU>(p, xt, idx, bs, wg, wu, bu, a, pu, ctr_up, B, d, st); break;
     }
     if (e != cudaSuccess) return (int)e;
-    e = launch_down<T>(a, p.Mpad, idx, bs, p.M, wd, bd, rt, yt, pd, ctr_down, B, d, st, f.y_stats);
+    e = launch_down<T>(a, p.Mpad, idx, bs, p.M, wd, bd, rt, yt, pd, ctr_down, B, d, st, g.y_stats);
     return (int)e;
 }
 
