@@ -62,6 +62,12 @@ for step in "$@"; do
     e2e-core) run e2e-core -- $PY "${E2E_CORE[@]}" ;;  # dense, sparse, and sparse with mlp_norm unfolded, B=1/4
     e2e-core-applynorm)  # the same, the folded norm done by its own kernel (DJV_FOLD_IN_MLP=0), B=1/4/16
         run e2e-core-applynorm DJV_FOLD_IN_MLP=0 -- $PY "${E2E_CORE[@]}" 16 ;;
+    e2e-core-prio)  # the predictor's side stream at high priority (DEJAVU_PREDICTOR_PRIORITY=high)
+        run e2e-core-prio DEJAVU_PREDICTOR_PRIORITY=high -- $PY "${E2E_CORE[@]}" ;;
+    e2e-core-prio-applynorm)
+        run e2e-core-prio-applynorm DEJAVU_PREDICTOR_PRIORITY=high DJV_FOLD_IN_MLP=0 -- $PY "${E2E_CORE[@]}" ;;
+    e2e-prio)  # the whole end-to-end benchmark (ablations included) with the high-priority predictor stream
+        run e2e-prio DEJAVU_PREDICTOR_PRIORITY=high -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches ;;
     tests-applynorm) run tests-applynorm DJV_FOLD_IN_MLP=0 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu \
         -k "fold or chain or executor" ;;
     e2e-pdl)  # the launch chain on and off (DJV_NO_PDL=1), B=1/4

@@ -64,7 +64,12 @@ class Executor:
         if dense and self.cuda:
             weights.add_dense_layout()
         self.use_graph = cuda_graph and self.cuda
-        stream = torch.cuda.Stream(device=self.device) if (side_stream and self.cuda and not dense) else None
+        stream = None
+        if side_stream and self.cuda and not dense:
+            # DEJAVU_PREDICTOR_PRIORITY=high: the predictor's side stream at the device's highest priority, so
+            # the block scheduler places its CTAs ahead of the main stream's (an A/B knob, benchmarks/RESULTS.md).
+            high = os.environ.get("DEJAVU_PREDICTOR_PRIORITY", "normal") == "high"
+            stream = torch.cuda.Stream(device=self.device, priority=-1 if high else 0)
         # mlp_norm folded into the sparse MLP kernel (measured: benchmarks/RESULTS.md, session 7). Default: on
         # where the op backend can (the kernels); DEJAVU_FOLD_NORMS=0 turns it off for A/B runs.
         if fold_norms is None:
