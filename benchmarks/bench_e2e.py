@@ -86,6 +86,8 @@ def hf_eager_ms(model, batch: int, prompt_len: int, new_tokens: int) -> float:
 
 
 def row(name, r, copy_bw):
+    if r.get("fold_norms"):
+        name += f" [{'+'.join(r['fold_norms'])} norm folded]"
     return {"config": name, "batch": r["batch"], "ops": r["ops"], "side_stream": r["side_stream"],
             "cuda_graph": r["cuda_graph"], "fold_norms": r.get("fold_norms", False), "tbt_ms_p50": round(r["tbt_ms_p50"], 3), "tbt_ms_p99": round(r["tbt_ms_p99"], 3),
             "tbt_ms_mean": round(r["tbt_ms_mean"], 3), "tokens_per_s": round(r["tokens_per_s"], 1),
@@ -170,12 +172,12 @@ def bench_opt13b(args) -> list[dict]:
         if not args.core:
             measure("sparse 25%/20%, kv dense", w_dense_kv, dense=False, batch=b, ops=args.ops)
         measure("sparse 25%/20%, kv active", w_active, dense=False, batch=b, ops=args.ops)
-        if args.core and args.ops != "torch":  # A/B of the mlp_norm fold, alternating, in this process
-            measure("sparse 25%/20%, kv active, mlp_norm unfolded", w_active, dense=False, batch=b, ops=args.ops,
-                    fold_norms=False)
+        if args.core and args.ops != "torch":  # A/B of the norm folding ($DEJAVU_FOLD_NORMS), alternating
+            measure("sparse 25%/20%, kv active, norms unfolded", w_active, dense=False, batch=b, ops=args.ops,
+                    fold_norms=())
             measure("sparse 25%/20%, kv active", w_active, dense=False, batch=b, ops=args.ops)
-            measure("sparse 25%/20%, kv active, mlp_norm unfolded", w_active, dense=False, batch=b, ops=args.ops,
-                    fold_norms=False)
+            measure("sparse 25%/20%, kv active, norms unfolded", w_active, dense=False, batch=b, ops=args.ops,
+                    fold_norms=())
     if args.core:
         return rows
     measure("ablation: sparse kv active, same stream", w_active, dense=False, batch=1, ops=args.ops, side_stream=False)

@@ -60,12 +60,11 @@ for step in "$@"; do
     attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
     e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
     e2e-core) run e2e-core -- $PY "${E2E_CORE[@]}" ;;  # dense, sparse, and sparse with mlp_norm unfolded, B=1/4
+    e2e-core:*)  # e2e-core with environment settings: e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
+        IFS=, read -ra kv <<< "${step#e2e-core:}"
+        run "$step" "${kv[@]}" -- $PY "${E2E_CORE[@]}" ;;
     e2e-core-applynorm)  # the same, the folded norm done by its own kernel (DJV_FOLD_IN_MLP=0), B=1/4/16
         run e2e-core-applynorm DJV_FOLD_IN_MLP=0 -- $PY "${E2E_CORE[@]}" 16 ;;
-    e2e-core-prio)  # the predictor's side stream at high priority (DEJAVU_PREDICTOR_PRIORITY=high)
-        run e2e-core-prio DEJAVU_PREDICTOR_PRIORITY=high -- $PY "${E2E_CORE[@]}" ;;
-    e2e-core-prio-applynorm)
-        run e2e-core-prio-applynorm DEJAVU_PREDICTOR_PRIORITY=high DJV_FOLD_IN_MLP=0 -- $PY "${E2E_CORE[@]}" ;;
     e2e-prio)  # the whole end-to-end benchmark (ablations included) with the high-priority predictor stream
         run e2e-prio DEJAVU_PREDICTOR_PRIORITY=high -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches ;;
     tests-applynorm) run tests-applynorm DJV_FOLD_IN_MLP=0 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu \

@@ -80,19 +80,25 @@ class DecoderWeights:
                 lw["w_down"] = lw["w_down_t"].T.contiguous()
                 lw["w_o"] = lw["w_o_t"].T.contiguous()
 
-    def add_folded_mlp_norm(self) -> None:
-        """Copies of the MLP's input-side weights with mlp_norm's weight and bias folded in (w_up_nf, w_gate_nf,
-        b_up_nf), for the kernels' norm-folded MLP: it normalises its input itself from row statistics that
-        the attention's last kernel writes, so the decode step launches no mlp_norm kernel. Costs the bytes
-        of w_up (and w_gate) once more on the device."""
+    def add_folded_norms(self, which) -> None:
+        """Copies of the input-side weights of the ops after a folded norm, with the norm's weight and bias
+        folded in (suffix _nf): "mlp" (mlp_norm into w_up, w_gate, b_up) and/or "attn" (attn_norm into w_q,
+        w_k, w_v and their biases). The kernels' folded calls normalise their input themselves from row
+        statistics the op before wrote, so the decode step launches no norm kernel there. Costs those weights'
+        bytes once more on the device."""
         from ..kernels import fold_norm
-        for lw in self.layers:
-            if lw.get("w_up_nf") is not None:
-                continue
-            g, beta = lw["mlp_norm.weight"], lw["mlp_norm.bias"]
-            lw["w_up_nf"], lw["b_up_nf"] = fold_norm(lw["w_up"], g, beta, lw["b_up"])
-            if lw.get("w_gate") is not None:
-                lw["w_gate_nf"], _ = fold_norm(lw["w_gate"], g)
+        groups = {"mlp": ("mlp_norm", (("w_up", "b_up"), ("w_gate", None))),
+                  "attn": ("attn_norm", (("w_q", "b_q"), ("w_k", "b_k"), ("w_v", "b_v")))}
+        for name in which:
+            norm, mats = groups[name]
+            for lw in self.layers:
+                g, beta = lw[f"{norm}.weight"], lw[f"{norm}.bias"]
+                for wname, bname in mats:
+                    if lw.get(wname) is None or lw.get(f"{wname}_nf") is not None:
+                        continue
+                    lw[f"{wname}_nf"], b = fold_norm(lw[wname], g, beta, lw.get(bname) if bname else None)
+                    if bname:
+                        lw[f"{bname}_nf"] = b
 
     @classmethod
     def from_package(cls, pkg: EnginePackage, device="cpu", dtype=None, max_context=None) -> "DecoderWeights":
@@ -103,10 +109,11 @@ class Decoder:
     """Prefill and decode-step functions over DecoderWeights with one op backend."""
 
     def __init__(self, w: DecoderWeights, ops, *, dense: bool = False, kv_policy: str | None = None,
-                 side_stream: torch.cuda.Stream | None = None, fold_mlp_norm: bool = False):
+                 side_stream: torch.cuda.Stream | None = None, fold_norms=()):
         self.w, self.ops, self.dense = w, ops, dense
-        # mlp_norm folded into the sparse MLP (KernelOps only; DecoderWeights.add_folded_mlp_norm done)
-        self.fold_mlp_norm = fold_mlp_norm and not dense
+        # norms folded into the sparse op after them ("mlp", "attn"; KernelOps only, after
+        # DecoderWeights.add_folded_norms): each op writes its output's row statistics for the next one
+        self.fold_norms = frozenset(() if dense else fold_norms)
         self.dims = w.dims
         self.kv_policy = kv_policy or w.config.kv_policy
         self.side_stream = side_stream
@@ -177,34 +184,43 @@ class Decoder:
             self._predict(0, h, idx)
             if L > 1:
                 events[1] = self._launch_predictor(1, h, idx)
+        fold_attn, fold_mlp = "attn" in self.fold_norms, "mlp" in self.fold_norms
+        h_stats = self.ops.row_stats(h) if fold_attn else None  # layer 0's input; later ones from the MLP
         for i, lw in enumerate(self.w.layers):
             if sparse and i >= 1 and i + 1 < L:
                 events[i + 1] = self._launch_predictor(i + 1, h, idx)  # reads layer i's input
             if events[i] is not None:
                 torch.cuda.current_stream().wait_event(events[i])
-            x = self.norm(h, "attn_norm", lw)
             scale = self.w.config.attention_scale[i]
-            if sparse:  # h + op(x): the kernels fuse the residual add (a new tensor: the side stream reads h)
-                mlp_idx, head_idx = idx[i]
-                fold = {"y_stats": self.ops.empty_stats(h)} if self.fold_mlp_norm else {}
-                h = self.ops.attention_residual(h, x, head_idx, position, lw, k_caches[i], v_caches[i], dims=d,
-                                                scale=scale, rope=rope, kv_policy=self.kv_policy, ctx=ctx, **fold)
-            else:
+            akw = dict(dims=d, scale=scale, rope=rope, kv_policy=self.kv_policy, ctx=ctx)
+            if not sparse:
+                x = self.norm(h, "attn_norm", lw)
                 h = h + self.ops.dense_attention(x, position, lw, k_caches[i], v_caches[i], dims=d, scale=scale,
                                                  rope=rope, ctx=ctx)
-            if sparse and self.fold_mlp_norm:  # the MLP normalises h itself, from the attention's row statistics
-                if self.record is not None:
-                    self.record.append((i, self.norm(h, "mlp_norm", lw), mlp_idx))
-                h = self.ops.mlp_residual_folded(h, fold["y_stats"], mlp_idx, lw, d.activation, self.block, d.norm, d.norm_eps)
+                h = h + self.ops.dense_mlp(self.norm(h, "mlp_norm", lw), lw, d.activation, self.block)
                 inputs.append(h)
                 continue
-            x = self.norm(h, "mlp_norm", lw)
-            if sparse:
+            # h + op(x): the kernels fuse the residual add (a new tensor: the side stream reads h)
+            mlp_idx, head_idx = idx[i]
+            a_stats = {"y_stats": self.ops.empty_stats(h)} if fold_mlp else {}
+            if fold_attn:  # the attention normalises h itself, from the row statistics of the op before
+                h = self.ops.attention_residual_folded(h, h_stats, head_idx, position, lw, k_caches[i], v_caches[i],
+                                                       norm_kind=d.norm, eps=d.norm_eps, **akw, **a_stats)
+            else:
+                h = self.ops.attention_residual(h, self.norm(h, "attn_norm", lw), head_idx, position, lw,
+                                                k_caches[i], v_caches[i], **akw, **a_stats)
+            m_stats = {"y_stats": self.ops.empty_stats(h)} if fold_attn and i + 1 < L else {}
+            if fold_mlp:  # likewise the MLP, from the attention's statistics
+                if self.record is not None:
+                    self.record.append((i, self.norm(h, "mlp_norm", lw), mlp_idx))
+                h = self.ops.mlp_residual_folded(h, a_stats["y_stats"], mlp_idx, lw, d.activation, self.block,
+                                                 d.norm, d.norm_eps, **m_stats)
+            else:
+                x = self.norm(h, "mlp_norm", lw)
                 if self.record is not None:
                     self.record.append((i, x, mlp_idx))
-                h = self.ops.mlp_residual(h, x, mlp_idx, lw, d.activation, self.block)
-            else:
-                h = h + self.ops.dense_mlp(x, lw, d.activation, self.block)
+                h = self.ops.mlp_residual(h, x, mlp_idx, lw, d.activation, self.block, **m_stats)
+            h_stats = m_stats.get("y_stats")
             inputs.append(h)
         return self.logits(h)
 

@@ -41,6 +41,27 @@ def allocate(shape, dtype, device, what: str, context: str = "") -> torch.Tensor
                           f"= {nbytes / GiB:.2f} GiB{context}{free}; use a smaller --batch or --max-context") from None
 
 
+FOLDS = {"none": (), "0": (), "mlp": ("mlp",), "attn": ("attn",), "all": ("attn", "mlp"), "1": ("attn", "mlp")}
+
+
+def resolve_fold_norms(fold_norms, ops, *, dense: bool, batch: int) -> tuple:
+    """Which norms the sparse decode folds into the op after them (benchmarks/RESULTS.md, session 7).
+
+    None: $DEJAVU_FOLD_NORMS (none | mlp | attn | all), default "mlp"; True / False: all / none. Only where the
+    op backend can (the kernels) and at batch <= 4, where the partial-sum reductions write the statistics
+    (above it a separate read-back kernel would, measured slower)."""
+    if fold_norms is None:
+        key = os.environ.get("DEJAVU_FOLD_NORMS", "mlp")
+        if key not in FOLDS:
+            raise DejaVuError(f"DEJAVU_FOLD_NORMS={key!r}: use one of {', '.join(FOLDS)}")
+        fold_norms = FOLDS[key]
+    elif fold_norms is True or fold_norms is False:
+        fold_norms = FOLDS["all"] if fold_norms else ()
+    if dense or batch > 4 or not getattr(ops, "folds_norms", False):
+        return ()
+    return tuple(sorted(set(fold_norms)))
+
+
 class Executor:
     def __init__(self, weights: DecoderWeights, *, dense: bool = False, ops: str = "auto", batch: int = 1,
                  max_context: int | None = None, side_stream: bool = True, cuda_graph: bool = True,
@@ -70,15 +91,11 @@ class Executor:
             # the block scheduler places its CTAs ahead of the main stream's (an A/B knob, benchmarks/RESULTS.md).
             high = os.environ.get("DEJAVU_PREDICTOR_PRIORITY", "normal") == "high"
             stream = torch.cuda.Stream(device=self.device, priority=-1 if high else 0)
-        # mlp_norm folded into the sparse MLP kernel (measured: benchmarks/RESULTS.md, session 7). Default: on
-        # where the op backend can (the kernels); DEJAVU_FOLD_NORMS=0 turns it off for A/B runs.
-        if fold_norms is None:
-            fold_norms = os.environ.get("DEJAVU_FOLD_NORMS", "1") != "0"
-        self.fold_norms = bool(fold_norms and not dense and getattr(self.ops, "folds_norms", False))
+        self.fold_norms = resolve_fold_norms(fold_norms, self.ops, dense=dense, batch=batch)
         if self.fold_norms:
-            weights.add_folded_mlp_norm()
+            weights.add_folded_norms(self.fold_norms)
         self.decoder = Decoder(weights, self.ops, dense=dense, kv_policy=kv_policy, side_stream=stream,
-                               fold_mlp_norm=self.fold_norms)
+                               fold_norms=self.fold_norms)
         d = weights.dims
         shape = (batch, d.num_kv_heads, self.T, d.head_dim)
         ctx = (f" (KV cache of {d.num_layers} layers x 2 for batch {batch} x context {self.T}; "

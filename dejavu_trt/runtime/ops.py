@@ -188,7 +188,7 @@ class KernelOps(TorchOps):
     """libdejavu_kernels through dejavu_trt.kernels; dense paths stay on cuBLAS (TorchOps)."""
 
     name = "kernels"
-    folds_norms = True  # mlp_residual_folded (DecoderWeights.add_folded_mlp_norm)
+    folds_norms = True  # the *_folded calls (DecoderWeights.add_folded_norms)
 
     def __init__(self, torch_predictor: bool = False):
         from .. import kernels
@@ -212,23 +212,40 @@ class KernelOps(TorchOps):
         return self.k.predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units=kept_units,
                                 kept_heads=kept_heads)
 
-    def mlp(self, x, idx, lw, activation, block_size, residual=None):
+    def mlp(self, x, idx, lw, activation, block_size, residual=None, y_stats=None):
         return self.k.sparse_mlp(x, idx, activation=activation, block_size=block_size, w_up=lw.w_up,
                                  w_down_t=lw.w_down_t, w_gate=lw.w_gate, b_up=lw.b_up, b_down=lw.b_down,
-                                 residual=residual)
+                                 residual=residual, y_stats=y_stats)
 
-    def mlp_residual(self, h, x, idx, lw, activation, block_size):
-        return self.mlp(x, idx, lw, activation, block_size, residual=h)
+    def mlp_residual(self, h, x, idx, lw, activation, block_size, y_stats=None):
+        return self.mlp(x, idx, lw, activation, block_size, residual=h, y_stats=y_stats)
 
+    # --- norm folding: the op normalises its input from row statistics the op before wrote ----------
     def empty_stats(self, h):
         return self.k.empty_stats(h.shape[0], h.shape[-1], h.device)
 
-    def mlp_residual_folded(self, h, h_stats, idx, lw, activation, block_size, norm_kind: str, eps: float):
-        """h + MLP(mlp_norm(h)), the norm done by the MLP kernel from h's row statistics and the norm's weight
-        and bias folded into w_up_nf / w_gate_nf / b_up_nf."""
+    def row_stats(self, h):
+        return self.k.row_stats(h)
+
+    def mlp_residual_folded(self, h, h_stats, idx, lw, activation, block_size, norm_kind: str, eps: float,
+                            y_stats=None):
+        """h + MLP(mlp_norm(h)), the norm done from h's row statistics with its weight and bias folded into
+        w_up_nf / w_gate_nf / b_up_nf."""
         return self.k.sparse_mlp(h, idx, activation=activation, block_size=block_size, w_up=lw.w_up_nf,
                                  w_down_t=lw.w_down_t, w_gate=lw.w_gate_nf, b_up=lw.b_up_nf, b_down=lw.b_down,
-                                 residual=h, x_stats=h_stats, norm_kind=norm_kind, norm_eps=eps)
+                                 residual=h, x_stats=h_stats, norm_kind=norm_kind, norm_eps=eps, y_stats=y_stats)
+
+    def attention_residual_folded(self, h, h_stats, head_idx, position, lw, k_cache, v_cache, *, dims, scale,
+                                  rope, kv_policy, norm_kind: str, eps: float, ctx=None, y_stats=None):
+        """h + attention(attn_norm(h)), the norm done from h's row statistics with its weight and bias folded
+        into w_q_nf / w_k_nf / w_v_nf and their biases."""
+        cos, sin = self._rope_in(rope, h.dtype)
+        y, _, _ = self.k.head_sparse_attention(
+            h, head_idx, position, lw.w_q_nf, lw.w_k_nf, lw.w_v_nf, lw.w_o_t, lw.b_q_nf, lw.b_k_nf, lw.b_v_nf,
+            lw.b_o, cos, sin, k_cache, v_cache, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
+            head_dim=dims.head_dim, rotary=int(rope is not None), scale=scale, kv_policy=kv_policy, residual=h,
+            x_stats=h_stats, norm_kind=norm_kind, norm_eps=eps, y_stats=y_stats)
+        return y
 
     def attention_residual(self, h, x, head_idx, position, lw, k_cache, v_cache, **kw):
         return self.attention(x, head_idx, position, lw, k_cache, v_cache, residual=h, **kw)

@@ -163,19 +163,30 @@ def test_out_of_memory_names_sizes():
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_folded_mlp_norm_matches_unfolded(family, batch):
-    """The kernels' sparse decode with mlp_norm folded into the MLP (the default) against the same decode
-    with the norm kernel, in a CUDA graph with the side-stream predictor: same logits to fp16 rounding."""
+@pytest.mark.parametrize("folds", ["mlp", "attn", "all"])
+def test_folded_norms_match_unfolded(family, batch, folds):
+    """The kernels' sparse decode with norms folded into the op after them (the norm done from row
+    statistics, its weight and bias folded into the weights) against the same decode with the norm kernel,
+    in a CUDA graph with the side-stream predictor: same logits to fp16 rounding. Batch > 4 does not fold."""
     from dejavu_trt import kernels
-    from dejavu_trt.runtime.executor import Executor
+    from dejavu_trt.runtime.executor import FOLDS, Executor
     if not kernels.available():
         pytest.skip("libdejavu_kernels is not built (python -m dejavu_trt.kernels.build)")
     gw, _ = _weights(family, "cuda", torch.float16)
     prompt = torch.randint(0, 512, (batch, 6), generator=torch.Generator().manual_seed(5))
-    folded = Executor(gw, ops="kernels", batch=batch, max_context=32, fold_norms=True)
-    plain = Executor(gw, ops="kernels", batch=batch, max_context=32, fold_norms=False)
-    assert folded.fold_norms and not plain.fold_norms
+    folded = Executor(gw, ops="kernels", batch=batch, max_context=32, fold_norms=FOLDS[folds])
+    plain = Executor(gw, ops="kernels", batch=batch, max_context=32, fold_norms=())
+    assert folded.fold_norms == (tuple(sorted(FOLDS[folds])) if batch <= 4 else ()) and plain.fold_norms == ()
     a, b = _decode(folded, prompt, 6), _decode(plain, prompt, 6)
     agree = (a.argmax(-1) == b.argmax(-1)).all(-1).cumprod(0).bool()
     assert agree[:2].all()
     torch.testing.assert_close(a[agree], b[agree], atol=_tol(b), rtol=0)
+
+
+def test_fold_norms_setting_is_checked(monkeypatch):
+    from dejavu_trt.errors import DejaVuError
+    from dejavu_trt.runtime.executor import Executor
+    gw, _ = _weights("opt", "cuda", torch.float16)
+    monkeypatch.setenv("DEJAVU_FOLD_NORMS", "everything")
+    with pytest.raises(DejaVuError, match="DEJAVU_FOLD_NORMS"):
+        Executor(gw, ops="torch", max_context=32)
