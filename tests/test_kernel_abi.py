@@ -96,3 +96,47 @@ def test_norm_argument_checks(lib, rows, d, kind, bias, want):
         assert st > 0, f"status {st} ({lib.djv_status_string(st).decode()}), expected a launch error"
     else:
         assert st == want
+
+
+def test_stats_blocks_row_stride(lib):
+    # 64-column blocks, row stride rounded up to an even count (rows start 16-byte aligned for float4 reads)
+    assert [lib.djv_stats_blocks(d) for d in (8, 64, 136, 576, 5120, 16384)] == [2, 2, 4, 10, 80, 256]
+
+
+FAKE2 = FAKE + 0x1000  # a second fake pointer (x_stats and y_stats must differ)
+
+
+@pytest.mark.parametrize("d,x_stats,kind,y_stats,want", [
+    (5120, FAKE2, 0, None, "launch"), (576, FAKE2, 1, FAKE2 + 0x1000, "launch"), (5120, None, 7, FAKE2, "launch"),
+    (5120, FAKE2, 7, None, -2),            # unknown norm kind (only checked when x_stats is given)
+    (5120, FAKE2, 0, FAKE2, -4),           # y_stats would overwrite x_stats
+    (5120, FAKE2 + 8, 0, None, -4),        # statistics must be 16-byte aligned
+    (16392, FAKE2, 0, None, DJV_E_SHAPE),  # statistics cover d <= 16384
+])
+def test_folded_call_argument_checks(lib, d, x_stats, kind, y_stats, want):
+    """djv_sparse_mlp_folded / djv_head_sparse_attention_folded check the norm-folding arguments before any
+    launch; with valid ones they go on to launch (and fail there: no device)."""
+    N, K = 4096, 512
+    ws = lib.djv_sparse_mlp_workspace_size(4, d, N, K, 1, 0)
+    st = lib.djv_sparse_mlp_folded(FAKE, FAKE, None, FAKE, None, FAKE, None, None, FAKE, 1, d, N, K, 1, 0, x_stats,
+                                   kind, 1e-5, y_stats, 0, FAKE, ws, None)
+    H, hd, Kh, T = 8, 64, 2, 64
+    wsa = lib.djv_head_attention_workspace_size(1, d, H, H, hd, Kh, T, 1)
+    sa = lib.djv_head_sparse_attention_folded(FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, FAKE, None, None, None, None, None,
+                                              None, FAKE, FAKE, None, FAKE, 1, d, H, H, hd, Kh, T, 0, 0.125, 1, x_stats,
+                                              kind, 1e-5, y_stats, 0, FAKE, wsa, None)
+    for name, s in (("mlp", st), ("attention", sa)):
+        if want == "launch":
+            assert s > 0, f"{name}: status {s} ({lib.djv_status_string(s).decode()}), expected a launch error"
+        else:
+            assert s == want, name
+
+
+@pytest.mark.parametrize("rows,d,want", [(1, 5120, "launch"), (3, 136, "launch"), (1, 12, DJV_E_SHAPE),
+                                         (1, 16392, DJV_E_SHAPE), (0, 64, DJV_E_SHAPE)])
+def test_row_stats_argument_checks(lib, rows, d, want):
+    st = lib.djv_row_stats(FAKE, FAKE2, rows, d, 0, None)
+    if want == "launch":
+        assert st > 0
+    else:
+        assert st == want
