@@ -49,7 +49,8 @@ def resolve_fold_norms(fold_norms, ops, *, dense: bool, batch: int) -> tuple:
 
     None: $DEJAVU_FOLD_NORMS (none | mlp | attn | all), default "mlp"; True / False: all / none. Only where the
     op backend can (the kernels) and at batch <= 4, where the partial-sum reductions write the statistics
-    (above it a separate read-back kernel would, measured slower)."""
+    (above it a separate read-back kernel would, measured slower). Folding attn_norm too measured slower
+    (the attention's first kernel carries the predictor's join), so it is not the default."""
     if fold_norms is None:
         key = os.environ.get("DEJAVU_FOLD_NORMS", "mlp")
         if key not in FOLDS:
@@ -87,10 +88,15 @@ class Executor:
         self.use_graph = cuda_graph and self.cuda
         stream = None
         if side_stream and self.cuda and not dense:
-            # DEJAVU_PREDICTOR_PRIORITY=high: the predictor's side stream at the device's highest priority, so
-            # the block scheduler places its CTAs ahead of the main stream's (an A/B knob, benchmarks/RESULTS.md).
-            high = os.environ.get("DEJAVU_PREDICTOR_PRIORITY", "normal") == "high"
-            stream = torch.cuda.Stream(device=self.device, priority=-1 if high else 0)
+            # The predictor's side stream at high priority: the block scheduler then places its CTAs ahead of
+            # the main stream's, whose next kernel is always waiting to become resident (programmatic dependent
+            # launch). With mlp_norm folded, the layer has no one-CTA kernel left between the attention and
+            # the MLP where the predictor's kernels found room: 3.04 vs 3.11 ms/token at normal priority
+            # (benchmarks/RESULTS.md, session 7). DEJAVU_PREDICTOR_PRIORITY=normal for A/B runs.
+            prio = os.environ.get("DEJAVU_PREDICTOR_PRIORITY", "high")
+            if prio not in ("high", "normal"):
+                raise DejaVuError(f"DEJAVU_PREDICTOR_PRIORITY={prio!r}: use high or normal")
+            stream = torch.cuda.Stream(device=self.device, priority=-1 if prio == "high" else 0)
         self.fold_norms = resolve_fold_norms(fold_norms, self.ops, dense=dense, batch=batch)
         if self.fold_norms:
             weights.add_folded_norms(self.fold_norms)
