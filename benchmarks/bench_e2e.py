@@ -182,6 +182,13 @@ def bench_opt13b(args) -> list[dict]:
         return rows
     measure("ablation: sparse kv active, same stream", w_active, dense=False, batch=1, ops=args.ops, side_stream=False)
     if args.ops != "torch":
+        measure("ablation: sparse kv active, norms unfolded", w_active, dense=False, batch=1, ops=args.ops,
+                fold_norms=())
+        measure("ablation: sparse kv active, predictor stream at normal priority", w_active, dense=False, batch=1,
+                ops=args.ops, predictor_priority="normal")
+        measure("ablation: sparse kv active, norms unfolded, predictor at normal priority", w_active, dense=False,
+                batch=1, ops=args.ops, fold_norms=(), predictor_priority="normal")
+    if args.ops != "torch":
         measure("ablation: sparse kv active, fixed indices (no predictor)", w_active, dense=False, batch=1,
                 ops=fixed_index_ops())
     measure("ablation: sparse kv active, no CUDA graph", w_active, dense=False, batch=1, ops=args.ops, cuda_graph=False)

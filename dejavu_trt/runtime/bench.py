@@ -44,11 +44,13 @@ def predictor_rank(weights: DecoderWeights) -> tuple[int, int]:
 def time_mode(weights: DecoderWeights, *, dense: bool, batch: int = 1, steps: int = 64, warmup: int = 8,
               prompt_len: int = 32, ops: str = "auto", side_stream: bool = True, cuda_graph: bool = True,
               kv_policy: str | None = None, max_context: int | None = None, prompt: torch.Tensor | None = None,
-              executor: Executor | None = None, fold_norms: bool | None = None) -> dict:
+              executor: Executor | None = None, fold_norms: bool | None = None,
+              predictor_priority: str | None = None) -> dict:
     """Prefill a prompt, then time `steps` greedy decode steps after `warmup` untimed ones."""
     T = max_context or (prompt_len + warmup + steps + 2)
     ex = executor or Executor(weights, dense=dense, ops=ops, batch=batch, max_context=T, side_stream=side_stream,
-                              cuda_graph=cuda_graph, kv_policy=kv_policy, fold_norms=fold_norms)
+                              cuda_graph=cuda_graph, kv_policy=kv_policy, fold_norms=fold_norms,
+                              predictor_priority=predictor_priority)
     if prompt is None:
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, weights.dims.vocab_size, (batch, prompt_len), generator=g)

@@ -66,7 +66,8 @@ def resolve_fold_norms(fold_norms, ops, *, dense: bool, batch: int) -> tuple:
 class Executor:
     def __init__(self, weights: DecoderWeights, *, dense: bool = False, ops: str = "auto", batch: int = 1,
                  max_context: int | None = None, side_stream: bool = True, cuda_graph: bool = True,
-                 kv_policy: str | None = None, fold_norms: bool | None = None):
+                 kv_policy: str | None = None, fold_norms: bool | None = None,
+                 predictor_priority: str | None = None):
         cfg = weights.config
         if not 1 <= batch <= min(cfg.max_batch, MAX_BATCH):
             raise DejaVuError(f"batch {batch} is outside 1..{min(cfg.max_batch, MAX_BATCH)} (the engine's maximum); "
@@ -93,7 +94,7 @@ class Executor:
             # launch). With mlp_norm folded, the layer has no one-CTA kernel left between the attention and
             # the MLP where the predictor's kernels found room: 3.04 vs 3.11 ms/token at normal priority
             # (benchmarks/RESULTS.md, session 7). DEJAVU_PREDICTOR_PRIORITY=normal for A/B runs.
-            prio = os.environ.get("DEJAVU_PREDICTOR_PRIORITY", "high")
+            prio = predictor_priority or os.environ.get("DEJAVU_PREDICTOR_PRIORITY", "high")
             if prio not in ("high", "normal"):
                 raise DejaVuError(f"DEJAVU_PREDICTOR_PRIORITY={prio!r}: use high or normal")
             stream = torch.cuda.Stream(device=self.device, priority=-1 if prio == "high" else 0)
