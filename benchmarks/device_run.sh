@@ -10,7 +10,8 @@
 # H200), tests-nopdl, kernels (bench_kernels --focus), attn / mlp (bench_kernels, OPT-13B attention / all
 # MLP shapes), e2e (bench_e2e --opt13b, all batches + HF eager), e2e-pdl (bench_e2e --core at B=1/4
 # with and without programmatic dependent launch), e2e-core (bench_e2e --core at B=1/4: dense, sparse, and the
-# mlp_norm fold A/B), profile (bench_e2e --profile-step).
+# mlp_norm fold A/B), profile (bench_e2e --profile-step), ncu (Nsight Compute counters of one
+# attention and one MLP call, benchmarks/probes/ncu_ops.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -72,6 +73,14 @@ for step in "$@"; do
     e2e-pdl)  # the launch chain on and off (DJV_NO_PDL=1), B=1/4
         run e2e-pdl -- $PY "${E2E_CORE[@]}"
         run e2e-nopdl DJV_NO_PDL=1 -- $PY "${E2E_CORE[@]}" ;;
+    ncu)  # Nsight Compute counters of one attention + one MLP call, each kernel replayed alone (probes/ncu_ops.py)
+        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        run ncu -- "$NCU" --clock-control none -k "regex:qkv_rows|attn_kernel|rows_down|rows_reduce|mlp_bulk" \
+            --launch-skip 18 --launch-count 6 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+            $PY benchmarks/probes/ncu_ops.py
+        grep -E '^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|Stall Long|One or More|No Eligible' \
+            "$LOGS/ncu.log" | cut -c1-140 ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
