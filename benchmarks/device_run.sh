@@ -64,6 +64,13 @@ for step in "$@"; do
     e2e-core:*)  # e2e-core with environment settings: e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
         IFS=, read -ra kv <<< "${step#e2e-core:}"
         run "$step" "${kv[@]}" -- $PY "${E2E_CORE[@]}" ;;
+    tests:*|attn:*)  # a step with environment settings: tests:DJV_QKV_OCC=4 (-k attention), attn:DJV_QKV_OCC=4
+        IFS=, read -ra kv <<< "${step#*:}"
+        if [ "${step%%:*}" = tests ]; then
+            run "$step" "${kv[@]}" -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "attention or chain or executor"
+        else
+            run "$step" "${kv[@]}" -- $PY benchmarks/bench_kernels.py --quick --only attn
+        fi ;;
     e2e-core-applynorm)  # the same, the folded norm done by its own kernel (DJV_FOLD_IN_MLP=0), B=1/4/16
         run e2e-core-applynorm DJV_FOLD_IN_MLP=0 -- $PY "${E2E_CORE[@]}" 16 ;;
     e2e-prio)  # the whole end-to-end benchmark (ablations included) with the high-priority predictor stream

@@ -315,11 +315,11 @@ constexpr int kSkThreads = 256;   // 8 independent warps per CTA, 2 CTAs per SM 
 constexpr int kSkWarpsPerSm = 16;
 
 inline int sm_count();
-inline StreamK plan_streamk(long long items, int per_item, int min_q) {
+inline StreamK plan_streamk(long long items, int per_item, int min_q, int warps_per_sm = kSkWarpsPerSm) {
     StreamK k;
     k.per_item = per_item;
     k.total = items * per_item;
-    const long long wmax = (long long)sm_count() * kSkWarpsPerSm;
+    const long long wmax = (long long)sm_count() * warps_per_sm;
     long long q = (k.total + wmax - 1) / wmax;
     if (q < min_q) q = min_q;
     k.q = (int)q;

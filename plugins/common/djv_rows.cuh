@@ -7,6 +7,7 @@
 // bytes of one row per instruction reaches 2.6 TB/s on a 52 MB gather and 3.7 TB/s on 210 MB. At batch <= 4
 // the FMAs fit easily on the CUDA cores, so these kernels use the 512-byte pattern; batch 5-16 keeps mma.
 #pragma once
+#include <stdlib.h>
 #include "djv_bulk.cuh"
 #include "djv_device.cuh"
 #include "djv_stats.cuh"
@@ -26,10 +27,10 @@ inline bool use_rows(int B) { return B <= 4; }
 // (a choice that must depend on the item only).
 // Kernels built on this are launched with programmatic dependent launch (djv_bulk.cuh): it starts by
 // waiting for the kernel before, which writes x, then lets the next kernel launch.
-template <typename T, int NB, int NMAT, typename RowsF, typename EpiF>
+template <typename T, int NB, int NMAT, int U = 8 / NMAT, typename RowsF, typename EpiF>
 __device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int d, float* __restrict__ part,
                                              unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi) {
-    constexpr int U = 8 / NMAT;  // 8 independent 16-byte weight loads in flight per lane
+    // U: independent 16-byte weight loads in flight per lane (8 by default)
     constexpr int SLOT = NMAT * NB;
     const int lane = threadIdx.x & 31;
     pdl_wait_primary();
@@ -109,7 +110,9 @@ __device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int
         epi(item, acc);
     }
 }
-inline StreamK plan_rows(int nrows, int d) { return plan_streamk(nrows, cdiv(d, kRowChunk), 4); }
+inline StreamK plan_rows(int nrows, int d, int warps_per_sm = kSkWarpsPerSm) {
+    return plan_streamk(nrows, cdiv(d, kRowChunk), 4, warps_per_sm);
+}
 inline size_t rows_part_floats(const StreamK& k, int nrows, int nb, int nmat) {
     return (size_t)nrows * k.max_slots * nmat * nb;
 }
@@ -123,10 +126,20 @@ inline size_t rows_part_floats(const StreamK& k, int nrows, int nb, int nmat) {
 constexpr int kRowsDownU = 8;
 
 struct RowsDownPlan { int S, R, C; };
-inline RowsDownPlan plan_rows_down(int d, int M) {
+// Warps per SM the plan fills at batch 1 (DJV_DOWN_WPS, default kSkWarpsPerSm; the batch-1 kernel's 80
+// registers leave room for 24; batch 2-4 use more and keep 16).
+inline int rows_down_warps_per_sm() {
+    static const int w = [] {
+        const char* e = getenv("DJV_DOWN_WPS");
+        const int v = e ? atoi(e) : kSkWarpsPerSm;
+        return v >= 8 && v <= 24 ? v : kSkWarpsPerSm;
+    }();
+    return w;
+}
+inline RowsDownPlan plan_rows_down(int d, int M, int B) {
     RowsDownPlan p;
     p.S = cdiv(d, kRowChunk);
-    const long long want = (long long)sm_count() * kSkWarpsPerSm;  // one resident wave of warps
+    const long long want = (long long)sm_count() * (B == 1 ? rows_down_warps_per_sm() : kSkWarpsPerSm);  // one wave
     long long r = ((long long)M * p.S + want - 1) / want;
     p.R = (int)(r < 8 ? 8 : r);
     p.C = cdiv(M, p.R);
@@ -259,7 +272,7 @@ inline cudaError_t launch_rows_reduce(const float* part, const T* bias, const T*
 // The shared down projection: workspace, counters and launch, by batch size.
 inline int down_counters(int d) { return cdiv(d, 128); }
 inline size_t down_part_floats(int B, int d, int M, int Mpad) {
-    if (use_rows(B)) return (size_t)plan_rows_down(d, M).C * B * d;
+    if (use_rows(B)) return (size_t)plan_rows_down(d, M, B).C * B * d;
     const int S = down_splits(d, Mpad);
     return S > 1 ? (size_t)S * B * d : 0;
 }
@@ -276,7 +289,7 @@ inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int b
         if (e != cudaSuccess || !y_stats) return e;
         return launch_row_stats<T>(y, y_stats, B, d, st);
     }
-    const RowsDownPlan p = plan_rows_down(d, M);
+    const RowsDownPlan p = plan_rows_down(d, M, B);
     const int ctas = cdiv(p.C * p.S, kSkThreads / 32);
     auto go = [&](auto kern) {
         return launch_pdl(kern, dim3(ctas), dim3(kSkThreads), 0, st, act, Mpad, idx, bs, M, w, bias, residual, y, part,

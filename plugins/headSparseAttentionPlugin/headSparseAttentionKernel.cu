@@ -9,6 +9,7 @@
 //     The last split of each item merges the partial softmaxes in a fixed order.
 //  3. djv::launch_down: output projection over the selected heads' rows of w_o_t (+ b_o).
 #include <math.h>
+#include <stdlib.h>
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"
@@ -115,9 +116,21 @@ __global__ void __launch_bounds__(kProjThreads) qkv_proj_kernel(
     }
 }
 
+// CTAs of kSkThreads per SM the batch <= 4 QKV kernel is built for (DJV_QKV_OCC=2|3|4, default 2): more
+// resident warps, each with fewer loads in flight (qkv_rows_u) within the smaller register budget.
+inline int qkv_occupancy() {
+    static const int occ = [] {
+        const char* e = getenv("DJV_QKV_OCC");
+        const int v = e ? atoi(e) : 2;
+        return v == 3 || v == 4 ? v : 2;
+    }();
+    return occ;
+}
+__host__ __device__ constexpr int qkv_rows_u(int occ) { return occ >= 4 ? 4 : (occ == 3 ? 6 : 8); }
+
 // Batch <= 4: the same rows, one warp per projection row at a time (512 contiguous bytes per load).
-template <typename T, int NB>
-__global__ void __launch_bounds__(kSkThreads, 2) qkv_rows_kernel(
+template <typename T, int NB, int OCC>
+__global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
@@ -158,7 +171,7 @@ __global__ void __launch_bounds__(kSkThreads, 2) qkv_rows_kernel(
         for (int b = 0; b < NB; ++b)
             if (b < B) qkv[(size_t)b * R + item] = v[0][b] + bb;
     };
-    streamk_rows<T, NB, 1>(x, B, d, part, ctr, sk, rows, epi);
+    streamk_rows<T, NB, 1, qkv_rows_u(OCC)>(x, B, d, part, ctr, sk, rows, epi);
 }
 
 // GM: query heads held in registers per work item (1 when every KV head serves one query head, else GMAX).
@@ -411,7 +424,7 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     p.R = (Kh + 2 * p.nslots) * hd;
     p.tiles = p.R / 16;
     p.ksplit = use_rows(B) ? 1 : tile_ksplit(p.tiles, d);
-    if (use_rows(B)) p.proj = plan_rows(p.R, d);
+    if (use_rows(B)) p.proj = plan_rows(p.R, d, qkv_occupancy() * (kSkThreads / 32));
     p.proj_items = use_rows(B) ? p.R : p.tiles;
     const int want = cdiv(kTargetCtas, Kh * B);
     int L = (int)align_up((size_t)cdiv(T, want), 32);
@@ -485,11 +498,13 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.ksplit)
-#define DJV_ROWS(NB)                                                                                                   \
-    launch_pdl(qkv_rows_kernel<T, NB>, dim3(streamk_ctas(p.proj)), dim3(kSkThreads), 0, st,                           \
+#define DJV_ROWS_OCC(NB, OCC)                                                                                          \
+    launch_pdl(qkv_rows_kernel<T, NB, OCC>, dim3(streamk_ctas(p.proj)), dim3(kSkThreads), 0, st,                      \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
+#define DJV_ROWS(NB)                                                                                                   \
+    (qkv_occupancy() == 4 ? DJV_ROWS_OCC(NB, 4) : (qkv_occupancy() == 3 ? DJV_ROWS_OCC(NB, 3) : DJV_ROWS_OCC(NB, 2)))
     if (!use_rows(B)) {
         if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
     } else if (rows_nb(B) == 1) e = DJV_ROWS(1);
@@ -497,6 +512,7 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     else e = DJV_ROWS(4);
 #undef DJV_PROJ
 #undef DJV_ROWS
+#undef DJV_ROWS_OCC
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
