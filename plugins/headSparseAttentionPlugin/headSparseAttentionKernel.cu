@@ -10,6 +10,7 @@
 //  3. djv::launch_down: output projection over the selected heads' rows of w_o_t (+ b_o).
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"
@@ -20,6 +21,7 @@ using namespace djv;
 constexpr int kProjThreads = 256;
 constexpr int kAttnThreads = 128;
 constexpr int GMAX = 8;  // query heads per work item
+constexpr int kPreSplits = 32;  // merge with preloaded values (attn_kernel) up to this many splits
 constexpr int kMaxSplits = kAttnThreads * 8;  // merge weights [GMAX][nsplit] reuse ored: RP*GMAX*hd = GMAX*1024 floats
 
 // Warp 0 helper: over p in [0, Kh), flag(p) = p == 0 || key(head_idx[p]) != key(head_idx[p-1]).
@@ -180,7 +182,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const float* __restrict__ qkv, int R, const int32_t* __restrict__ head_idx, const int32_t* __restrict__ position,
     const T* __restrict__ rcos, const T* __restrict__ rsin, T* __restrict__ kc, T* __restrict__ vc,
     float* __restrict__ part, unsigned* __restrict__ ctr, T* __restrict__ o_act, int H, int Hkv, int Kh, int Tlen,
-    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit) {
+    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit, int preload) {
     constexpr int TPR = HD / 8, RP = kAttnThreads / TPR, PSTRIDE = HD + 2;
     extern __shared__ float sm[];
     float* q_s = sm;                 // [GMAX][HD] (pre-scaled by scale*log2(e))
@@ -377,6 +379,16 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     // that pipeline, instead of a chain of L2 round trips per split. ored is free now: nsplit <= kMaxSplits.
     const float* pb = part + ((size_t)b * Kh + x) * nsplit * GMAX * PSTRIDE;
     float* wsp = ored;  // [GMAX][nsplit]
+    // One query head per item and <= kPreSplits splits (the usual batch-1 case): each thread loads its
+    // element's partial values now, with the weights' inputs, instead of one L2 round trip later. Empty
+    // splits wrote no values; their loads are discarded by a select below (never multiplied).
+    const bool pre = preload && GM == 1 && nsplit <= kPreSplits && HD <= kAttnThreads;
+    float vpre[GM == 1 ? kPreSplits : 1];
+    if (GM == 1 && pre && tid < HD) {
+#pragma unroll
+        for (int k = 0; k < (GM == 1 ? kPreSplits : 1); ++k)
+            vpre[k] = k < nsplit ? __ldcg(pb + (size_t)k * GMAX * PSTRIDE + 2 + tid) : 0.f;
+    }
     for (int g = wid; g < G; g += kAttnThreads / 32) {
         float M = -INFINITY;
         for (int k = lane; k < nsplit; k += 32) {
@@ -399,6 +411,18 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     }
     __syncthreads();
     const int Mo = Kh * HD;
+    if (GM == 1 && pre) {
+        if (tid < HD) {
+            float num = 0.f;
+#pragma unroll
+            for (int k = 0; k < (GM == 1 ? kPreSplits : 1); ++k) {
+                const float w = k < nsplit ? wsp[k] : 0.f;
+                num = fmaf(w, w != 0.f ? vpre[k] : 0.f, num);
+            }
+            o_act[(size_t)b * Mo + (size_t)st * HD + tid] = from_f<T>(num);
+        }
+        return;
+    }
     for (int i = tid; i < G * HD; i += blockDim.x) {
         const int g = i / HD, e = i % HD;
         float num = 0.f;
@@ -409,6 +433,12 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         }
         o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num);
     }
+}
+
+// DJV_MERGE_PRELOAD=0 turns the preloaded merge off (for A/B runs).
+inline bool merge_preload() {
+    static const bool on = !getenv("DJV_MERGE_PRELOAD") || strcmp(getenv("DJV_MERGE_PRELOAD"), "0") != 0;
+    return on;
 }
 
 struct AttnPlan {
@@ -458,7 +488,8 @@ cudaError_t launch_attn_g(const AttnPlan& p, const float* qkv, const int32_t* hi
     dim3 grid(Kh + p.nslots, B, p.nsplit);
     // Programmatic dependent launch: the KV-cache reads overlap the tail of the QKV projection.
     return launch_pdl(attn_kernel<T, HD, GM>, grid, dim3(kAttnThreads), p.smem, st, qkv, p.R, hidx, pos, rc, rs, kc, vc,
-                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit);
+                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit,
+                      merge_preload() ? 1 : 0);
 }
 
 template <typename T, int HD>
