@@ -126,13 +126,16 @@ inline size_t rows_part_floats(const StreamK& k, int nrows, int nb, int nmat) {
 constexpr int kRowsDownU = 8;
 
 struct RowsDownPlan { int S, R, C; };
-// Warps per SM the plan fills at batch 1 (DJV_DOWN_WPS, default kSkWarpsPerSm; the batch-1 kernel's 80
-// registers leave room for 24; batch 2-4 use more and keep 16).
+// Warps per SM the plan fills at batch 1: 24 (3 CTAs; the batch-1 kernel's 80 registers leave room), so
+// chunks are 8 rows, one batch of loads per warp, where 16 warps per SM gave OPT-13B's output projection
+// 10-row chunks and a second round trip for the last 2 rows (session 8: attention 31.4-31.7 against
+// 34.2 us, 2.6% faster end to end). Batch 2-4 kernels use more registers and keep kSkWarpsPerSm.
+// DJV_DOWN_WPS=8..24 overrides the batch-1 value, for A/B runs.
 inline int rows_down_warps_per_sm() {
     static const int w = [] {
         const char* e = getenv("DJV_DOWN_WPS");
-        const int v = e ? atoi(e) : kSkWarpsPerSm;
-        return v >= 8 && v <= 24 ? v : kSkWarpsPerSm;
+        const int v = e ? atoi(e) : 24;
+        return v >= 8 && v <= 24 ? v : 24;
     }();
     return w;
 }

@@ -118,15 +118,18 @@ __global__ void __launch_bounds__(kProjThreads) qkv_proj_kernel(
     }
 }
 
-// CTAs of kSkThreads per SM the batch <= 4 QKV kernel is built for (DJV_QKV_OCC=2|3|4, default 2): more
-// resident warps, each with fewer loads in flight (qkv_rows_u) within the smaller register budget.
-inline int qkv_occupancy() {
-    static const int occ = [] {
+// CTAs of kSkThreads per SM the batch <= 4 QKV kernel is built for: 3 (6 loads in flight per lane, <= 85
+// registers) at batch 2-4, 2 (8 loads) at batch 1. More resident warps hide each warp's dot-product phase
+// between its load batches. Measured on the H200 (benchmarks/RESULTS.md, session 8): 3 at batch 4 is 4.7%
+// faster end to end; at batch 1 it is faster alone but not end to end with the rest of the step's kernels
+// beside it. DJV_QKV_OCC=2|3|4 overrides both, for A/B runs.
+inline int qkv_occupancy(int B) {
+    static const int env = [] {
         const char* e = getenv("DJV_QKV_OCC");
-        const int v = e ? atoi(e) : 2;
-        return v == 3 || v == 4 ? v : 2;
+        const int v = e ? atoi(e) : 0;
+        return v >= 2 && v <= 4 ? v : 0;
     }();
-    return occ;
+    return env ? env : (B == 1 ? 2 : 3);
 }
 __host__ __device__ constexpr int qkv_rows_u(int occ) { return occ >= 4 ? 4 : (occ == 3 ? 6 : 8); }
 
@@ -454,7 +457,7 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     p.R = (Kh + 2 * p.nslots) * hd;
     p.tiles = p.R / 16;
     p.ksplit = use_rows(B) ? 1 : tile_ksplit(p.tiles, d);
-    if (use_rows(B)) p.proj = plan_rows(p.R, d, qkv_occupancy() * (kSkThreads / 32));
+    if (use_rows(B)) p.proj = plan_rows(p.R, d, qkv_occupancy(B) * (kSkThreads / 32));
     p.proj_items = use_rows(B) ? p.R : p.tiles;
     const int want = cdiv(kTargetCtas, Kh * B);
     int L = (int)align_up((size_t)cdiv(T, want), 32);
@@ -535,7 +538,7 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
 #define DJV_ROWS(NB)                                                                                                   \
-    (qkv_occupancy() == 4 ? DJV_ROWS_OCC(NB, 4) : (qkv_occupancy() == 3 ? DJV_ROWS_OCC(NB, 3) : DJV_ROWS_OCC(NB, 2)))
+    (qkv_occupancy(B) == 4 ? DJV_ROWS_OCC(NB, 4) : (qkv_occupancy(B) == 3 ? DJV_ROWS_OCC(NB, 3) : DJV_ROWS_OCC(NB, 2)))
     if (!use_rows(B)) {
         if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
     } else if (rows_nb(B) == 1) e = DJV_ROWS(1);
