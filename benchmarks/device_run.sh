@@ -11,7 +11,9 @@
 # MLP shapes), e2e (bench_e2e --opt13b, all batches + HF eager), e2e-pdl (bench_e2e --core at B=1/4
 # with and without programmatic dependent launch), e2e-core (bench_e2e --core at B=1/4: dense, sparse, and the
 # mlp_norm fold A/B), profile (bench_e2e --profile-step), ncu (Nsight Compute counters of one
-# attention and one MLP call, benchmarks/probes/ncu_ops.py).
+# attention and one MLP call, benchmarks/probes/ncu_ops.py). A/B steps with environment settings
+# (comma-separated): e2e-core:ENV=VAL,..., tests:ENV=VAL,... (the attention, chain and executor GPU tests),
+# attn:ENV=VAL,... (bench_kernels --quick --only attn: OPT-13B attention at batch 1/4/16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
