@@ -63,16 +63,14 @@ for step in "$@"; do
     attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
     e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
     e2e-core) run e2e-core -- $PY "${E2E_CORE[@]}" ;;  # dense, sparse, and sparse with mlp_norm unfolded, B=1/4
-    e2e-core:*)  # e2e-core with environment settings: e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
-        IFS=, read -ra kv <<< "${step#e2e-core:}"
-        run "$step" "${kv[@]}" -- $PY "${E2E_CORE[@]}" ;;
-    tests:*|attn:*)  # a step with environment settings: tests:DJV_QKV_OCC=4 (-k attention), attn:DJV_QKV_OCC=4
+    e2e-core:*|tests:*|attn:*)  # with environment settings, e.g. e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
         IFS=, read -ra kv <<< "${step#*:}"
-        if [ "${step%%:*}" = tests ]; then
-            run "$step" "${kv[@]}" -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "attention or chain or executor"
-        else
-            run "$step" "${kv[@]}" -- $PY benchmarks/bench_kernels.py --quick --only attn
-        fi ;;
+        case ${step%%:*} in
+        e2e-core) cmd=($PY "${E2E_CORE[@]}") ;;
+        tests) cmd=($PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "attention or chain or executor") ;;
+        attn) cmd=($PY benchmarks/bench_kernels.py --quick --only attn) ;;
+        esac
+        run "$step" "${kv[@]}" -- "${cmd[@]}" ;;
     e2e-core-applynorm)  # the same, the folded norm done by its own kernel (DJV_FOLD_IN_MLP=0), B=1/4/16
         run e2e-core-applynorm DJV_FOLD_IN_MLP=0 -- $PY "${E2E_CORE[@]}" 16 ;;
     e2e-prio)  # the whole end-to-end benchmark (ablations included) with the high-priority predictor stream
@@ -84,6 +82,7 @@ for step in "$@"; do
         run e2e-nopdl DJV_NO_PDL=1 -- $PY "${E2E_CORE[@]}" ;;
     ncu)  # Nsight Compute counters of one attention + one MLP call, each kernel replayed alone (probes/ncu_ops.py)
         NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        # skip 18 = ncu_ops.py's WARM (3) rounds x 6 matching kernels (attention 4, MLP 2): profile the last round
         run ncu -- "$NCU" --clock-control none -k "regex:qkv_rows|attn_kernel|rows_down|rows_reduce|mlp_bulk" \
             --launch-skip 18 --launch-count 6 --section SpeedOfLight --section MemoryWorkloadAnalysis \
             --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \

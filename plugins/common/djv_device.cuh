@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <atomic>
 
 namespace djv {
@@ -313,6 +314,14 @@ struct StreamK {
 
 constexpr int kSkThreads = 256;   // 8 independent warps per CTA, 2 CTAs per SM (<= 128 registers)
 constexpr int kSkWarpsPerSm = 16;
+
+// An integer A/B knob from the environment: its value when set and within [lo, hi], else `fallback`.
+// Callers cache it in a function-local static (read once per process).
+inline int env_int(const char* name, int lo, int hi, int fallback) {
+    const char* e = getenv(name);
+    const int v = e ? atoi(e) : fallback;
+    return v >= lo && v <= hi ? v : fallback;
+}
 
 inline int sm_count();
 inline StreamK plan_streamk(long long items, int per_item, int min_q, int warps_per_sm = kSkWarpsPerSm) {

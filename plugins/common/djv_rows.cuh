@@ -7,7 +7,6 @@
 // bytes of one row per instruction reaches 2.6 TB/s on a 52 MB gather and 3.7 TB/s on 210 MB. At batch <= 4
 // the FMAs fit easily on the CUDA cores, so these kernels use the 512-byte pattern; batch 5-16 keeps mma.
 #pragma once
-#include <stdlib.h>
 #include "djv_bulk.cuh"
 #include "djv_device.cuh"
 #include "djv_stats.cuh"
@@ -132,11 +131,7 @@ struct RowsDownPlan { int S, R, C; };
 // 34.2 us, 2.6% faster end to end). Batch 2-4 kernels use more registers and keep kSkWarpsPerSm.
 // DJV_DOWN_WPS=8..24 overrides the batch-1 value, for A/B runs.
 inline int rows_down_warps_per_sm() {
-    static const int w = [] {
-        const char* e = getenv("DJV_DOWN_WPS");
-        const int v = e ? atoi(e) : 24;
-        return v >= 8 && v <= 24 ? v : 24;
-    }();
+    static const int w = env_int("DJV_DOWN_WPS", 8, 24, 24);
     return w;
 }
 inline RowsDownPlan plan_rows_down(int d, int M, int B) {

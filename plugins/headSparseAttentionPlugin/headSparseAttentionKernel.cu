@@ -9,8 +9,6 @@
 //     The last split of each item merges the partial softmaxes in a fixed order.
 //  3. djv::launch_down: output projection over the selected heads' rows of w_o_t (+ b_o).
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"
@@ -21,7 +19,6 @@ using namespace djv;
 constexpr int kProjThreads = 256;
 constexpr int kAttnThreads = 128;
 constexpr int GMAX = 8;  // query heads per work item
-constexpr int kPreSplits = 32;  // merge with preloaded values (attn_kernel) up to this many splits
 constexpr int kMaxSplits = kAttnThreads * 8;  // merge weights [GMAX][nsplit] reuse ored: RP*GMAX*hd = GMAX*1024 floats
 
 // Warp 0 helper: over p in [0, Kh), flag(p) = p == 0 || key(head_idx[p]) != key(head_idx[p-1]).
@@ -122,16 +119,12 @@ __global__ void __launch_bounds__(kProjThreads) qkv_proj_kernel(
 // registers) at batch 2-4, 2 (8 loads) at batch 1. More resident warps hide each warp's dot-product phase
 // between its load batches. Measured on the H200 (benchmarks/RESULTS.md, session 8): 3 at batch 4 is 4.7%
 // faster end to end; at batch 1 it is faster alone but not end to end with the rest of the step's kernels
-// beside it. DJV_QKV_OCC=2|3|4 overrides both, for A/B runs.
+// beside it (4 CTAs was slower at every batch and is not built). DJV_QKV_OCC=2|3 overrides both, for A/B.
 inline int qkv_occupancy(int B) {
-    static const int env = [] {
-        const char* e = getenv("DJV_QKV_OCC");
-        const int v = e ? atoi(e) : 0;
-        return v >= 2 && v <= 4 ? v : 0;
-    }();
+    static const int env = env_int("DJV_QKV_OCC", 2, 3, 0);
     return env ? env : (B == 1 ? 2 : 3);
 }
-__host__ __device__ constexpr int qkv_rows_u(int occ) { return occ >= 4 ? 4 : (occ == 3 ? 6 : 8); }
+__host__ __device__ constexpr int qkv_rows_u(int occ) { return occ == 3 ? 6 : 8; }
 
 // Batch <= 4: the same rows, one warp per projection row at a time (512 contiguous bytes per load).
 template <typename T, int NB, int OCC>
@@ -185,7 +178,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const float* __restrict__ qkv, int R, const int32_t* __restrict__ head_idx, const int32_t* __restrict__ position,
     const T* __restrict__ rcos, const T* __restrict__ rsin, T* __restrict__ kc, T* __restrict__ vc,
     float* __restrict__ part, unsigned* __restrict__ ctr, T* __restrict__ o_act, int H, int Hkv, int Kh, int Tlen,
-    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit, int preload) {
+    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit) {
     constexpr int TPR = HD / 8, RP = kAttnThreads / TPR, PSTRIDE = HD + 2;
     extern __shared__ float sm[];
     float* q_s = sm;                 // [GMAX][HD] (pre-scaled by scale*log2(e))
@@ -382,16 +375,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     // that pipeline, instead of a chain of L2 round trips per split. ored is free now: nsplit <= kMaxSplits.
     const float* pb = part + ((size_t)b * Kh + x) * nsplit * GMAX * PSTRIDE;
     float* wsp = ored;  // [GMAX][nsplit]
-    // One query head per item and <= kPreSplits splits (the usual batch-1 case): each thread loads its
-    // element's partial values now, with the weights' inputs, instead of one L2 round trip later. Empty
-    // splits wrote no values; their loads are discarded by a select below (never multiplied).
-    const bool pre = preload && GM == 1 && nsplit <= kPreSplits && HD <= kAttnThreads;
-    float vpre[GM == 1 ? kPreSplits : 1];
-    if (GM == 1 && pre && tid < HD) {
-#pragma unroll
-        for (int k = 0; k < (GM == 1 ? kPreSplits : 1); ++k)
-            vpre[k] = k < nsplit ? __ldcg(pb + (size_t)k * GMAX * PSTRIDE + 2 + tid) : 0.f;
-    }
     for (int g = wid; g < G; g += kAttnThreads / 32) {
         float M = -INFINITY;
         for (int k = lane; k < nsplit; k += 32) {
@@ -414,18 +397,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     }
     __syncthreads();
     const int Mo = Kh * HD;
-    if (GM == 1 && pre) {
-        if (tid < HD) {
-            float num = 0.f;
-#pragma unroll
-            for (int k = 0; k < (GM == 1 ? kPreSplits : 1); ++k) {
-                const float w = k < nsplit ? wsp[k] : 0.f;
-                num = fmaf(w, w != 0.f ? vpre[k] : 0.f, num);
-            }
-            o_act[(size_t)b * Mo + (size_t)st * HD + tid] = from_f<T>(num);
-        }
-        return;
-    }
     for (int i = tid; i < G * HD; i += blockDim.x) {
         const int g = i / HD, e = i % HD;
         float num = 0.f;
@@ -436,13 +407,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         }
         o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num);
     }
-}
-
-// The preloaded merge is off unless DJV_MERGE_PRELOAD=1: it makes the attention op alone 3.5% faster but
-// measured 0.3-0.6% slower end to end in three process pairs (benchmarks/RESULTS.md, session 8).
-inline bool merge_preload() {
-    static const bool on = getenv("DJV_MERGE_PRELOAD") && strcmp(getenv("DJV_MERGE_PRELOAD"), "0") != 0;
-    return on;
 }
 
 struct AttnPlan {
@@ -492,8 +456,7 @@ cudaError_t launch_attn_g(const AttnPlan& p, const float* qkv, const int32_t* hi
     dim3 grid(Kh + p.nslots, B, p.nsplit);
     // Programmatic dependent launch: the KV-cache reads overlap the tail of the QKV projection.
     return launch_pdl(attn_kernel<T, HD, GM>, grid, dim3(kAttnThreads), p.smem, st, qkv, p.R, hidx, pos, rc, rs, kc, vc,
-                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit,
-                      merge_preload() ? 1 : 0);
+                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit);
 }
 
 template <typename T, int HD>
@@ -538,8 +501,7 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
-#define DJV_ROWS(NB)                                                                                                   \
-    (qkv_occupancy(B) == 4 ? DJV_ROWS_OCC(NB, 4) : (qkv_occupancy(B) == 3 ? DJV_ROWS_OCC(NB, 3) : DJV_ROWS_OCC(NB, 2)))
+#define DJV_ROWS(NB) (qkv_occupancy(B) == 3 ? DJV_ROWS_OCC(NB, 3) : DJV_ROWS_OCC(NB, 2))
     if (!use_rows(B)) {
         if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
     } else if (rows_nb(B) == 1) e = DJV_ROWS(1);
