@@ -191,6 +191,9 @@ def bench_opt13b(args) -> list[dict]:
     if args.ops != "torch":
         measure("ablation: sparse kv active, fixed indices (no predictor)", w_active, dense=False, batch=1,
                 ops=fixed_index_ops())
+        # no side stream either: the graph has no cross-stream edges at all (the pure kernel chain)
+        measure("ablation: sparse kv active, fixed indices, one stream", w_active, dense=False, batch=1,
+                ops=fixed_index_ops(), side_stream=False)
     measure("ablation: sparse kv active, no CUDA graph", w_active, dense=False, batch=1, ops=args.ops, cuda_graph=False)
     measure("ablation: dense, no CUDA graph", w_dense_kv, dense=True, batch=1, cuda_graph=False)
     if args.ops != "torch":
@@ -211,6 +214,54 @@ def bench_opt13b(args) -> list[dict]:
             log(json.dumps(rows[-1]))
         except Exception as e:  # noqa: BLE001
             log(f"HF eager batch {b}: FAILED {e.__class__.__name__}: {str(e)[:300]}")
+    return rows
+
+
+SWEEP = ((0.0, 0.0), (0.05, 0.05), (0.1, 0.1), (0.25, 0.2), (0.5, 0.5), (1.0, 1.0))  # (MLP, heads) kept
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def sweep_kept(args) -> list[dict]:
+    """Step time against bytes moved, B=1, kv active, from (almost) nothing kept to everything kept: the
+    intercept of the fitted line is the step's fixed cost (launch chain, ramps and tails of every kernel,
+    LM head), its slope the marginal bandwidth. Kept 0.0 means one neuron and one head per layer."""
+    import dataclasses
+    copy_bw = copy_bandwidth_gbs("cuda")
+    log(f"device {torch.cuda.get_device_name()}, copy bandwidth (read+write) {copy_bw:.0f} GB/s")
+    model = random_opt(args.layers)
+    T = args.prompt_len + args.warmup + args.steps + 4
+    w = weights_from_hf(model, 0.25, 0.2, max_context=T, kv_policy="active")
+    dims, L = w.dims, w.dims.num_layers
+    kw = dict(steps=args.steps, warmup=args.warmup, prompt_len=args.prompt_len, max_context=T, dense=False, batch=1)
+    rows, fits = [], {}
+    variants = (("predictor on the side stream", {}), ("fixed indices, one stream", {"side_stream": False}))
+    for mlp_kept, heads_kept in SWEEP:
+        units = max(1, round(mlp_kept * dims.intermediate_size / w.config.block_size))
+        heads = max(1, round(heads_kept * dims.num_heads))
+        cfg = dataclasses.replace(w.config, mlp_kept_units=[units] * L, heads_kept=[heads] * L)
+        wk = dataclasses.replace(w, config=cfg)
+        for name, extra in variants:
+            ops = fixed_index_ops() if extra else args.ops
+            r = time_mode(wk, ops=ops, **kw, **extra)
+            rows.append({**row(f"sweep: {units} neurons, {heads} heads, {name}", r, copy_bw),
+                         "variant": name, "mlp_units": units, "heads": heads})
+            log(json.dumps(rows[-1]))
+            fits.setdefault(name, []).append((r["bytes_per_step"] / 1e9, r["tbt_ms_p50"]))
+            torch.cuda.empty_cache()
+    for name, pts in fits.items():
+        a, b = fit_line([x for x, _ in pts], [y for _, y in pts])
+        fit = {"config": f"sweep fit ({name}): ms = a + GB / bw", "fixed_ms_per_step": round(a, 3),
+               "fixed_us_per_layer": round(a * 1e3 / L, 1), "marginal_gb_s": round(1.0 / b * 1e3, 1),
+               "copy_gb_s": round(copy_bw, 1)}
+        rows.append(fit)
+        log(json.dumps(fit))
     return rows
 
 
@@ -273,6 +324,8 @@ def main(argv=None):
                    help="per-kernel device times of eager OPT-13B-shape sparse decode steps (torch.profiler)")
     p.add_argument("--core", action="store_true",
                    help="with --opt13b: only dense and sparse (kv active) per batch; no ablations, no HF eager")
+    p.add_argument("--sweep", action="store_true",
+                   help="OPT-13B shape, B=1: step time from ~0 to 100%% kept, and the fitted fixed cost per step")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -286,6 +339,8 @@ def main(argv=None):
         out["profile_step"] = profile_step(args)
     if args.opt13b:
         out["opt13b"] = bench_opt13b(args)
+    if args.sweep:
+        out["sweep"] = sweep_kept(args)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=2))
     return 0

@@ -10,10 +10,12 @@
 # H200), tests-nopdl, kernels (bench_kernels --focus), attn / mlp (bench_kernels, OPT-13B attention / all
 # MLP shapes), e2e (bench_e2e --opt13b, all batches + HF eager), e2e-pdl (bench_e2e --core at B=1/4
 # with and without programmatic dependent launch), e2e-core (bench_e2e --core at B=1/4: dense, sparse, and the
-# mlp_norm fold A/B), profile (bench_e2e --profile-step), ncu (Nsight Compute counters of one
-# attention and one MLP call, benchmarks/probes/ncu_ops.py). A/B steps with environment settings
-# (comma-separated): e2e-core:ENV=VAL,..., tests:ENV=VAL,... (the attention, chain and executor GPU tests),
-# attn:ENV=VAL,... (bench_kernels --quick --only attn: OPT-13B attention at batch 1/4/16).
+# mlp_norm fold A/B), sweep (bench_e2e --sweep: B=1 step time from ~0 to 100% kept, and the fitted fixed
+# cost per step), smollm2 (bench_e2e --engine on the package carried under engines/), profile (bench_e2e
+# --profile-step), ncu (Nsight Compute counters of one attention and one MLP call, benchmarks/probes/
+# ncu_ops.py). A/B steps with environment settings (comma-separated): e2e-core:ENV=VAL,..., tests:ENV=VAL,...
+# (the attention, chain and executor GPU tests), attn:ENV=VAL,... (bench_kernels --quick --only attn:
+# OPT-13B attention at batch 1/4/16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -89,6 +91,13 @@ for step in "$@"; do
             $PY benchmarks/probes/ncu_ops.py
         grep -E '^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|Stall Long|One or More|No Eligible' \
             "$LOGS/ncu.log" | cut -c1-140 ;;
+    sweep)  # B=1 step time from ~0 to 100% kept (with and without predictor / side stream) and the fitted fixed cost
+        run sweep -- $PY benchmarks/bench_e2e.py --sweep --json-out "$LOGS/sweep.json"
+        grep -E '"sweep fit' "$LOGS/sweep.log" | cut -c1-220 ;;
+    smollm2)  # the real engine package carried under engines/ (see RESULTS.md, session 5), dense vs sparse
+        pkg=$(ls -d engines/*/ 2>/dev/null | head -1)
+        run smollm2 -- $PY benchmarks/bench_e2e.py --engine "$pkg" --steps 48 --json-out "$LOGS/smollm2.json"
+        grep -E '"(tbt_ms_p50|mode|achieved_gb_s)"' "$LOGS/smollm2.log" | tr -d ' \n'; echo ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
