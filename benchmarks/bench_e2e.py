@@ -64,7 +64,7 @@ def weights_from_hf(model, mlp_kept: float, heads_kept: float, rank=(64, 32), ma
         preds[f"layers.{l}.head_a"] = torch.randn(dims.hidden_size, rank[1], generator=g, device=dev, dtype=torch.float16) * 0.05
         preds[f"layers.{l}.head_b"] = torch.randn(rank[1], dims.num_heads, generator=g, device=dev, dtype=torch.float16)
     cfg = EngineConfig("opt-13b-shape-random", dims.to_dict(), "fp16",
-                       [round(mlp_kept * dims.intermediate_size)] * L, [max(1, round(heads_kept * dims.num_heads))] * L,
+                       [max(1, round(mlp_kept * dims.intermediate_size))] * L, [max(1, round(heads_kept * dims.num_heads))] * L,
                        kv_policy=kv_policy, max_context=max_context, attention_scale=extra["attention_scale"],
                        position_offset=extra["position_offset"])
     return DecoderWeights.from_tensors(cfg, w, preds, dev, torch.float16, max_context)
@@ -113,6 +113,46 @@ def fixed_index_ops():
                 self.cache[key] = super().predictor(h, lw, kept_units, kept_heads)
             return self.cache[key]
     return FixedIndexOps()
+
+
+def recomputing_fixed_index_ops():
+    """Kernel ops whose predictor runs every step (same kernels, same side stream) but whose indices are
+    those of its first call: with the joins deferred (defer_joins) the step does the predictor's work and
+    keeps its fork edges, but no kernel waits for it."""
+    from dejavu_trt.runtime.ops import KernelOps
+
+    class RecomputingFixedIndexOps(KernelOps):
+        name = "kernels, predictor run but its first indices used"
+
+        def __init__(self):
+            super().__init__()
+            self.cache = {}
+
+        def predictor(self, h, lw, kept_units, kept_heads):
+            out = super().predictor(h, lw, kept_units, kept_heads)
+            return self.cache.setdefault(id(lw), out)
+    return RecomputingFixedIndexOps()
+
+
+def defer_joins(ex) -> None:
+    """Timing only: the decoder's per-layer join of the predictor stream (wait_event before each layer) is
+    moved to the end of the step, so the graph keeps the fork edges but no layer waits for its predictor.
+    Only correct with ops whose indices do not come from this step's predictor (the fixed-index ops)."""
+    dec = ex.decoder
+    launch, logits, pending = dec._launch_predictor, dec.logits, []
+
+    def launch_without_join(layer, h, idx):
+        ev = launch(layer, h, idx)
+        if ev is not None:
+            pending.append(ev)
+        return None
+
+    def logits_after_joins(h):
+        for ev in pending:
+            torch.cuda.current_stream().wait_event(ev)
+        pending.clear()
+        return logits(h)
+    dec._launch_predictor, dec.logits = launch_without_join, logits_after_joins
 
 
 def predictor_only(w, ops: str, reps: int = 20) -> dict:
@@ -194,6 +234,14 @@ def bench_opt13b(args) -> list[dict]:
         # no side stream either: the graph has no cross-stream edges at all (the pure kernel chain)
         measure("ablation: sparse kv active, fixed indices, one stream", w_active, dense=False, batch=1,
                 ops=fixed_index_ops(), side_stream=False)
+        # what the per-layer joins cost: the same predictor work and fork edges, joined once per step
+        for name, ops in (("fixed indices, joins deferred to the step's end", fixed_index_ops),
+                          ("predictor run but unused, joins deferred to the step's end", recomputing_fixed_index_ops)):
+            from dejavu_trt.runtime.executor import Executor
+            ex = Executor(w_active, dense=False, ops=ops(), batch=1, max_context=T, side_stream=True, cuda_graph=True)
+            defer_joins(ex)
+            measure(f"ablation: sparse kv active, {name}", w_active, dense=False, batch=1, executor=ex)
+            del ex
     measure("ablation: sparse kv active, no CUDA graph", w_active, dense=False, batch=1, ops=args.ops, cuda_graph=False)
     measure("ablation: dense, no CUDA graph", w_dense_kv, dense=True, batch=1, cuda_graph=False)
     if args.ops != "torch":
@@ -274,7 +322,7 @@ def profile_step(args) -> list[dict]:
     model = random_opt(args.layers)
     steps = 4
     T = args.prompt_len + 2 * steps + 8
-    w = weights_from_hf(model, 0.25, 0.2, max_context=T, kv_policy="active")
+    w = weights_from_hf(model, *args.profile_kept, max_context=T, kv_policy="active")
     del model
     ex = Executor(w, dense=False, ops=args.ops, batch=1, max_context=T, side_stream=True, cuda_graph=False)
     ex.prefill(torch.randint(0, w.dims.vocab_size, (1, args.prompt_len)))
@@ -292,7 +340,8 @@ def profile_step(args) -> list[dict]:
     rows = [{"kernel": k, "calls_per_step": len(v) / steps, "us_per_call": round(sum(v) / len(v), 2),
              "us_per_step": round(sum(v) / steps, 1)} for k, v in agg.items()]
     rows.sort(key=lambda r: -r["us_per_step"])
-    log(f"per-kernel device time, eager sparse decode (kv active, B=1, {args.layers} layers), mean of {steps} steps")
+    log(f"per-kernel device time, eager sparse decode (kv active, B=1, {args.layers} layers, kept MLP/heads "
+        f"{args.profile_kept[0]}/{args.profile_kept[1]}), mean of {steps} steps")
     for r in rows[:25]:
         log(f"{r['us_per_step']:9.1f} us/step {r['calls_per_step']:6.1f} calls {r['us_per_call']:8.2f} us  {r['kernel']}")
     return rows
@@ -322,6 +371,8 @@ def main(argv=None):
     p.add_argument("--hf-tokens", type=int, default=32)
     p.add_argument("--profile-step", action="store_true",
                    help="per-kernel device times of eager OPT-13B-shape sparse decode steps (torch.profiler)")
+    p.add_argument("--profile-kept", type=float, nargs=2, default=(0.25, 0.2), metavar=("MLP", "HEADS"),
+                   help="kept fractions for --profile-step (0 keeps one neuron and one head per layer)")
     p.add_argument("--core", action="store_true",
                    help="with --opt13b: only dense and sparse (kv active) per batch; no ablations, no HF eager")
     p.add_argument("--sweep", action="store_true",

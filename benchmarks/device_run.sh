@@ -12,10 +12,10 @@
 # with and without programmatic dependent launch), e2e-core (bench_e2e --core at B=1/4: dense, sparse, and the
 # mlp_norm fold A/B), sweep (bench_e2e --sweep: B=1 step time from ~0 to 100% kept, and the fitted fixed
 # cost per step), smollm2 (bench_e2e --engine on the package carried under engines/), profile (bench_e2e
-# --profile-step), ncu (Nsight Compute counters of one attention and one MLP call, benchmarks/probes/
-# ncu_ops.py). A/B steps with environment settings (comma-separated): e2e-core:ENV=VAL,..., tests:ENV=VAL,...
-# (the attention, chain and executor GPU tests), attn:ENV=VAL,... (bench_kernels --quick --only attn:
-# OPT-13B attention at batch 1/4/16).
+# --profile-step), profile-floor (the same with one neuron and one head kept, with and without PDL), ncu
+# (Nsight Compute counters of one attention and one MLP call, benchmarks/probes/ncu_ops.py). A/B steps with
+# environment settings (comma-separated): e2e-core:ENV=VAL,..., tests:ENV=VAL,... (the attention, chain and
+# executor GPU tests), attn:ENV=VAL,... (bench_kernels --quick --only attn: OPT-13B attention at batch 1/4/16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -98,6 +98,10 @@ for step in "$@"; do
         pkg=$(ls -d engines/*/ 2>/dev/null | head -1)
         run smollm2 -- $PY benchmarks/bench_e2e.py --engine "$pkg" --steps 48 --json-out "$LOGS/smollm2.json"
         grep -E '"(tbt_ms_p50|mode|achieved_gb_s)"' "$LOGS/smollm2.log" | tr -d ' \n'; echo ;;
+    profile-floor)  # per-kernel times with one neuron and one head kept per layer: each kernel's fixed cost
+        run profile-floor -- $PY benchmarks/bench_e2e.py --profile-step --profile-kept 0 0
+        run profile-floor-nopdl DJV_NO_PDL=1 -- $PY benchmarks/bench_e2e.py --profile-step --profile-kept 0 0
+        grep -E ' us/step ' "$LOGS/profile-floor.log" "$LOGS/profile-floor-nopdl.log" | cut -c1-170 ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
