@@ -95,7 +95,7 @@ for step in "$@"; do
         run sweep -- $PY benchmarks/bench_e2e.py --sweep --json-out "$LOGS/sweep.json"
         grep -E '"sweep fit' "$LOGS/sweep.log" | cut -c1-220 ;;
     smollm2)  # the real engine package carried under engines/ (see RESULTS.md, session 5), dense vs sparse
-        pkg=$(ls -d engines/*/ 2>/dev/null | head -1)
+        pkg=$(dirname "$(ls engines/*/manifest.json 2>/dev/null | head -1)")
         run smollm2 -- $PY benchmarks/bench_e2e.py --engine "$pkg" --steps 48 --json-out "$LOGS/smollm2.json"
         grep -E '"(tbt_ms_p50|mode|achieved_gb_s)"' "$LOGS/smollm2.log" | tr -d ' \n'; echo ;;
     profile-floor)  # per-kernel times with one neuron and one head kept per layer: each kernel's fixed cost
