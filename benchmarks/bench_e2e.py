@@ -95,13 +95,16 @@ def row(name, r, copy_bw):
             "copy_gb_s": round(copy_bw, 1) if copy_bw else None}
 
 
-def fixed_index_ops():
-    """Kernel ops whose predictor returns the indices of its first call per layer, launching nothing after:
-    the step time without any prediction work, to measure what the predictor costs the step."""
+def fixed_index_ops(recompute: bool = False):
+    """Kernel ops whose predictor returns the indices of its first call per layer: the step time without
+    any prediction work, to measure what the predictor costs the step. recompute: the predictor still runs
+    every step (same kernels, same side stream) and its result is dropped; with the joins deferred
+    (defer_joins) the step then does the predictor's work and keeps its fork edges, but no kernel waits."""
     from dejavu_trt.runtime.ops import KernelOps
 
     class FixedIndexOps(KernelOps):
-        name = "kernels, fixed indices (no predictor)"
+        name = ("kernels, predictor run but its first indices used" if recompute
+                else "kernels, fixed indices (no predictor)")
 
         def __init__(self):
             super().__init__()
@@ -109,29 +112,10 @@ def fixed_index_ops():
 
         def predictor(self, h, lw, kept_units, kept_heads):
             key = id(lw)
-            if key not in self.cache:
-                self.cache[key] = super().predictor(h, lw, kept_units, kept_heads)
+            if recompute or key not in self.cache:
+                self.cache.setdefault(key, super().predictor(h, lw, kept_units, kept_heads))
             return self.cache[key]
     return FixedIndexOps()
-
-
-def recomputing_fixed_index_ops():
-    """Kernel ops whose predictor runs every step (same kernels, same side stream) but whose indices are
-    those of its first call: with the joins deferred (defer_joins) the step does the predictor's work and
-    keeps its fork edges, but no kernel waits for it."""
-    from dejavu_trt.runtime.ops import KernelOps
-
-    class RecomputingFixedIndexOps(KernelOps):
-        name = "kernels, predictor run but its first indices used"
-
-        def __init__(self):
-            super().__init__()
-            self.cache = {}
-
-        def predictor(self, h, lw, kept_units, kept_heads):
-            out = super().predictor(h, lw, kept_units, kept_heads)
-            return self.cache.setdefault(id(lw), out)
-    return RecomputingFixedIndexOps()
 
 
 def defer_joins(ex) -> None:
@@ -235,10 +219,11 @@ def bench_opt13b(args) -> list[dict]:
         measure("ablation: sparse kv active, fixed indices, one stream", w_active, dense=False, batch=1,
                 ops=fixed_index_ops(), side_stream=False)
         # what the per-layer joins cost: the same predictor work and fork edges, joined once per step
-        for name, ops in (("fixed indices, joins deferred to the step's end", fixed_index_ops),
-                          ("predictor run but unused, joins deferred to the step's end", recomputing_fixed_index_ops)):
+        for name, recompute in (("fixed indices, joins deferred to the step's end", False),
+                                ("predictor run but unused, joins deferred to the step's end", True)):
             from dejavu_trt.runtime.executor import Executor
-            ex = Executor(w_active, dense=False, ops=ops(), batch=1, max_context=T, side_stream=True, cuda_graph=True)
+            ex = Executor(w_active, dense=False, ops=fixed_index_ops(recompute), batch=1, max_context=T,
+                          side_stream=True, cuda_graph=True)
             defer_joins(ex)
             measure(f"ablation: sparse kv active, {name}", w_active, dense=False, batch=1, executor=ex)
             del ex
