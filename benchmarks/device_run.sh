@@ -15,7 +15,8 @@
 # --profile-step), profile-floor (the same with one neuron and one head kept, with and without PDL), ncu
 # (Nsight Compute counters of one attention and one MLP call, benchmarks/probes/ncu_ops.py). A/B steps with
 # environment settings (comma-separated): e2e-core:ENV=VAL,..., tests:ENV=VAL,... (the attention, chain and
-# executor GPU tests), attn:ENV=VAL,... (bench_kernels --quick --only attn: OPT-13B attention at batch 1/4/16).
+# executor GPU tests), attn:ENV=VAL,... (bench_kernels --quick --only attn: OPT-13B attention at batch 1/4/16),
+# e2e:ENV=VAL,... (the whole e2e step). sync-cost: a grid barrier against a kernel boundary (probes/sync_cost.cu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -65,10 +66,11 @@ for step in "$@"; do
     attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
     e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
     e2e-core) run e2e-core -- $PY "${E2E_CORE[@]}" ;;  # dense, sparse, and sparse with mlp_norm unfolded, B=1/4
-    e2e-core:*|tests:*|attn:*)  # with environment settings, e.g. e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
+    e2e-core:*|e2e:*|tests:*|attn:*)  # with environment settings, e.g. e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
         IFS=, read -ra kv <<< "${step#*:}"
         case ${step%%:*} in
         e2e-core) cmd=($PY "${E2E_CORE[@]}") ;;
+        e2e) cmd=($PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1) ;;
         tests) cmd=($PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "attention or chain or executor") ;;
         attn) cmd=($PY benchmarks/bench_kernels.py --quick --only attn) ;;
         esac
@@ -102,6 +104,9 @@ for step in "$@"; do
         run profile-floor -- $PY benchmarks/bench_e2e.py --profile-step --profile-kept 0 0
         run profile-floor-nopdl DJV_NO_PDL=1 -- $PY benchmarks/bench_e2e.py --profile-step --profile-kept 0 0
         grep -E ' us/step ' "$LOGS/profile-floor.log" "$LOGS/profile-floor-nopdl.log" | cut -c1-170 ;;
+    sync-cost)  # one grid barrier vs one kernel boundary (PDL / plain) in a CUDA graph (probes/sync_cost.cu)
+        nvcc -O3 -gencode=arch=compute_90,code=sm_90 benchmarks/probes/sync_cost.cu -o "$OUT/sync_cost" &&
+            run sync-cost -- "$OUT/sync_cost" && cat "$LOGS/sync-cost.log"; rm -f "$OUT/sync_cost" ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
