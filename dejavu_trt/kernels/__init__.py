@@ -60,7 +60,7 @@ _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
 _NORM = {"layernorm": 0, "rmsnorm": 1}
-ABI_VERSION = 5  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
+ABI_VERSION = 4  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
 
@@ -123,8 +123,6 @@ def open_library(path: str | Path) -> ctypes.CDLL:
     if lib.djv_abi_version() != ABI_VERSION:
         raise KernelsUnavailable(f"{path}: C ABI version {lib.djv_abi_version()}, expected {ABI_VERSION}; rebuild it "
                                  "with `python -m dejavu_trt.kernels.build`")
-    lib.djv_set_persistent_attention.restype = I
-    lib.djv_set_persistent_attention.argtypes = [I]
     return lib
 
 
@@ -304,16 +302,6 @@ def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k,
         _stream())
     _check(st, "head_sparse_attention")
     return y, k_cache, v_cache
-
-
-def set_persistent_attention(on: bool) -> bool:
-    """Turn the persistent attention kernel on or off for this process (dejavu_kernels.h says when it is
-    safe: attention calls serialised on one stream). Returns the previous setting."""
-    return bool(load_library().djv_set_persistent_attention(1 if on else 0))
-
-
-def persistent_attention() -> bool:
-    return bool(load_library().djv_set_persistent_attention(-1))
 
 
 def norm(x, weight, bias=None, *, kind: str, eps: float, out=None):

@@ -31,9 +31,8 @@ extern "C" {
 #define DJV_API __attribute__((visibility("default")))
 #endif
 
-#define DJV_ABI_VERSION 5  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
-                              4: norm folding (djv_row_stats, djv_*_folded);
-                              5: djv_set_persistent_attention */
+#define DJV_ABI_VERSION 4  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
+                              4: norm folding (djv_row_stats, djv_*_folded) */
 
 enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
 enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
@@ -92,15 +91,6 @@ DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, co
                                       const void* residual, void* y, int B, int d, int H, int Hkv, int hd, int Kh, int T, int rotary,
                                       float scale, int kv_policy, int dtype, void* workspace,
                                       size_t workspace_bytes, cudaStream_t stream);
-
-/* Process-wide switch for the persistent attention kernel (batch <= 4, H == Hkv): one launch whose grid
- * stays resident and runs the QKV projection, attention core, output projection and reduction as phases
- * separated by grid-wide barriers, instead of four launches. mode 1 on, 0 off, anything else only queries;
- * returns the previous setting. Off by default (DJV_ATTN_BLOCK=1 in the environment turns it on): every CTA
- * of its grid must be resident at once, so two such launches running concurrently on one GPU (two streams,
- * MPS) could wait on each other. Turn it on only where attention calls are serialised on one stream, as in
- * the CUDA executor. The last word of the workspace counter region is its barrier (it alternates 0 / 2^31). */
-DJV_API int djv_set_persistent_attention(int mode);
 
 /* ---- Row normalisation (CUDA executor; not a plugin) --------------------------------------
  * x [rows,d], weight [d], bias [d] (LayerNorm only, may be NULL) -> y [rows,d] (may be x).

@@ -26,15 +26,15 @@ inline bool use_rows(int B) { return B <= 4; }
 // (a choice that must depend on the item only).
 // Kernels built on this are launched with programmatic dependent launch (djv_bulk.cuh): it starts by
 // waiting for the kernel before, which writes x, then lets the next kernel launch.
-// streamk_rows_warp is one warp's share (warp gw of the plan), with no launch-chain calls: the persistent
-// attention kernel runs it for virtual warps of its own grid.
 template <typename T, int NB, int NMAT, int U = 8 / NMAT, typename RowsF, typename EpiF>
-__device__ __forceinline__ void streamk_rows_warp(const T* __restrict__ x, int B, int d, float* __restrict__ part,
-                                                  unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi,
-                                                  int gw) {
+__device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int d, float* __restrict__ part,
+                                             unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi) {
     // U: independent 16-byte weight loads in flight per lane (8 by default)
     constexpr int SLOT = NMAT * NB;
     const int lane = threadIdx.x & 31;
+    pdl_wait_primary();
+    pdl_launch_dependents();
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     long long s = (long long)gw * sk.q;
     const long long s_end = s + sk.q < sk.total ? s + sk.q : sk.total;
     while (s < s_end) {
@@ -109,14 +109,6 @@ __device__ __forceinline__ void streamk_rows_warp(const T* __restrict__ x, int B
         epi(item, acc);
     }
 }
-template <typename T, int NB, int NMAT, int U = 8 / NMAT, typename RowsF, typename EpiF>
-__device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int d, float* __restrict__ part,
-                                             unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi) {
-    pdl_wait_primary();
-    pdl_launch_dependents();
-    streamk_rows_warp<T, NB, NMAT, U>(x, B, d, part, ctr, sk, rows, epi,
-                                      blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
-}
 inline StreamK plan_rows(int nrows, int d, int warps_per_sm = kSkWarpsPerSm) {
     return plan_streamk(nrows, cdiv(d, kRowChunk), 4, warps_per_sm);
 }
@@ -142,25 +134,26 @@ inline int rows_down_warps_per_sm() {
     static const int w = env_int("DJV_DOWN_WPS", 8, 24, 24);
     return w;
 }
-// warps_per_sm > 0: the plan for that many warps per SM (the persistent attention kernel's 16).
-inline RowsDownPlan plan_rows_down(int d, int M, int B, int warps_per_sm = 0) {
+inline RowsDownPlan plan_rows_down(int d, int M, int B) {
     RowsDownPlan p;
     p.S = cdiv(d, kRowChunk);
-    const int wps = warps_per_sm > 0 ? warps_per_sm : (B == 1 ? rows_down_warps_per_sm() : kSkWarpsPerSm);
-    const long long want = (long long)sm_count() * wps;  // one wave
+    const long long want = (long long)sm_count() * (B == 1 ? rows_down_warps_per_sm() : kSkWarpsPerSm);  // one wave
     long long r = ((long long)M * p.S + want - 1) / want;
     p.R = (int)(r < 8 ? 8 : r);
     p.C = cdiv(M, p.R);
     return p;
 }
 
-// One warp's unit gw (no launch-chain calls; rows_down_kernel and the persistent attention kernel call it).
 template <typename T, int NB>
-__device__ __forceinline__ void rows_down_warp(const T* __restrict__ act, int Mpad, const int32_t* __restrict__ idx,
-                                               int bs, int M, const T* __restrict__ w, const T* __restrict__ bias,
-                                               const T* residual, T* y, float* __restrict__ part, int B, int d,
-                                               const RowsDownPlan& p, int gw) {
+__global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __restrict__ act, int Mpad,
+                                                                  const int32_t* __restrict__ idx, int bs, int M,
+                                                                  const T* __restrict__ w, const T* __restrict__ bias,
+                                                                  const T* residual, T* y, float* __restrict__ part,
+                                                                  int B, int d, RowsDownPlan p) {
+    pdl_wait_primary();  // launched early (launch_down): act comes from the kernel before
+    pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
     const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * (kSkThreads / 32) + (threadIdx.x >> 5);
     if (gw >= p.C * p.S) return;
     const int chunk = gw / p.S, slice = gw % p.S;
     const int j0 = chunk * p.R, j1 = min(M, j0 + p.R);
@@ -214,30 +207,20 @@ __device__ __forceinline__ void rows_down_warp(const T* __restrict__ act, int Mp
         }
     }
 }
-template <typename T, int NB>
-__global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __restrict__ act, int Mpad,
-                                                                  const int32_t* __restrict__ idx, int bs, int M,
-                                                                  const T* __restrict__ w, const T* __restrict__ bias,
-                                                                  const T* residual, T* y, float* __restrict__ part,
-                                                                  int B, int d, RowsDownPlan p) {
-    pdl_wait_primary();  // launched early (launch_down): act comes from the kernel before
-    pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
-    rows_down_warp<T, NB>(act, Mpad, idx, bs, M, w, bias, residual, y, part, B, d, p,
-                          blockIdx.x * (kSkThreads / 32) + (threadIdx.x >> 5));
-}
 
 // y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias). CTA: 16 float4 columns x 16 chunk lanes,
 // so a column's partials are read by 16 threads at once (one L2 round trip per 16 chunks).
 constexpr int kReduceLanes = 16;
 // STATS: each CTA's 64 columns are one statistics block (djv_stats.cuh) of the rounded y, into y_stats.
-// One CTA's block (bx = 64-column block, b = batch row) of 256 threads, no launch-chain calls.
 template <typename T, bool STATS>
-__device__ __forceinline__ void rows_reduce_block(const float* __restrict__ part, const T* __restrict__ bias,
-                                                  const T* residual, T* y, float2* __restrict__ y_stats, int B, int d,
-                                                  int C, int bx, int b) {
+__global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
+                                                          const T* residual, T* y, float2* __restrict__ y_stats, int B,
+                                                          int d, int C) {
     __shared__ float4 red[kReduceLanes][16];
+    pdl_wait_primary();  // launched early (launch_rows_reduce): the partials come from the kernel before
+    pdl_launch_dependents();
     const int cl = threadIdx.x & 15, kl = threadIdx.x >> 4;
-    const int c4 = bx * 16 + cl;  // float4 column
+    const int b = blockIdx.y, c4 = blockIdx.x * 16 + cl;  // float4 column
     const bool ok = c4 * 4 < d;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     if (ok) {
@@ -271,16 +254,8 @@ __device__ __forceinline__ void rows_reduce_block(const float* __restrict__ part
         v[0] = round_io<T>(t.x); v[1] = round_io<T>(t.y); v[2] = round_io<T>(t.z); v[3] = round_io<T>(t.w);
     }
     if (STATS)  // 16 float4 columns = one 64-column statistics block
-        store_block_stats<4>(v, mine ? 4 : 0, min(kStatCols, d - bx * kStatCols),
-                             y_stats + (size_t)b * stats_blocks(d) + bx);
-}
-template <typename T, bool STATS>
-__global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
-                                                          const T* residual, T* y, float2* __restrict__ y_stats, int B,
-                                                          int d, int C) {
-    pdl_wait_primary();  // launched early (launch_rows_reduce): the partials come from the kernel before
-    pdl_launch_dependents();
-    rows_reduce_block<T, STATS>(part, bias, residual, y, y_stats, B, d, C, blockIdx.x, blockIdx.y);
+        store_block_stats<4>(v, mine ? 4 : 0, min(kStatCols, d - (int)blockIdx.x * kStatCols),
+                             y_stats + (size_t)b * stats_blocks(d) + blockIdx.x);
 }
 
 template <typename T>

@@ -127,13 +127,14 @@ inline int qkv_occupancy(int B) {
 __host__ __device__ constexpr int qkv_rows_u(int occ) { return occ == 3 ? 6 : 8; }
 
 // Batch <= 4: the same rows, one warp per projection row at a time (512 contiguous bytes per load).
-// qkv_rows_warp: warp gw's share, no launch-chain calls (qkv_rows_kernel, attn_block_kernel).
-template <typename T, int NB, int U>
-__device__ __forceinline__ void qkv_rows_warp(
+template <typename T, int NB, int OCC>
+__global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
-    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, const StreamK& sk, int gw) {
+    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
+    // Launched early (launch_pdl): streamk_rows waits for the kernel before (x), then lets the attention
+    // kernel launch and start its KV-cache reads.
     const int lane = threadIdx.x & 31;
     const int qr = Kh * hd, kr = nslots * hd;
     auto which_of = [&](int item) { return item < qr ? 0 : (item < qr + kr ? 1 : 2); };
@@ -168,32 +169,17 @@ __device__ __forceinline__ void qkv_rows_warp(
         for (int b = 0; b < NB; ++b)
             if (b < B) qkv[(size_t)b * R + item] = v[0][b] + bb;
     };
-    streamk_rows_warp<T, NB, 1, U>(x, B, d, part, ctr, sk, rows, epi, gw);
-}
-template <typename T, int NB, int OCC>
-__global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
-    const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
-    int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
-    const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
-    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
-    // Launched early (launch_pdl): wait for the kernel before (x), then let the attention kernel launch and
-    // start its KV-cache reads.
-    pdl_wait_primary();
-    pdl_launch_dependents();
-    qkv_rows_warp<T, NB, qkv_rows_u(OCC)>(x, head_idx, Kh, H, Hkv, hd, kv_policy, nslots, wq, wk, wv, bq, bk, bv, qkv,
-                                          R, part, ctr, B, d, sk, blockIdx.x * (kSkThreads / 32) + (threadIdx.x >> 5));
+    streamk_rows<T, NB, 1, qkv_rows_u(OCC)>(x, B, d, part, ctr, sk, rows, epi);
 }
 
 // GM: query heads held in registers per work item (1 when every KV head serves one query head, else GMAX).
-// attn_item: CTA (x, b, z) of the attention grid, NT threads (attn_kernel: kAttnThreads; the persistent
-// attn_block_kernel runs it for virtual CTAs with its 256).
-template <typename T, int HD, int GM, int NT>
-__device__ __forceinline__ void attn_item(
+template <typename T, int HD, int GM>
+__global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const float* __restrict__ qkv, int R, const int32_t* __restrict__ head_idx, const int32_t* __restrict__ position,
     const T* __restrict__ rcos, const T* __restrict__ rsin, T* __restrict__ kc, T* __restrict__ vc,
     float* __restrict__ part, unsigned* __restrict__ ctr, T* __restrict__ o_act, int H, int Hkv, int Kh, int Tlen,
-    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit, const int x, const int b, const int z) {
-    constexpr int TPR = HD / 8, RP = NT / TPR, PSTRIDE = HD + 2;
+    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit) {
+    constexpr int TPR = HD / 8, RP = kAttnThreads / TPR, PSTRIDE = HD + 2;
     extern __shared__ float sm[];
     float* q_s = sm;                 // [GMAX][HD] (pre-scaled by scale*log2(e))
     float* kn_s = q_s + GMAX * HD;   // [HD] new key at slot pos (roped, rounded to T)
@@ -202,6 +188,7 @@ __device__ __forceinline__ void attn_item(
     float* ored = sc + GMAX * L;     // [RP][GMAX][HD]
     __shared__ int s_info[4];
     __shared__ float s_m[GMAX], s_l[GMAX];
+    const int x = blockIdx.x, b = blockIdx.y, z = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int group = H / Hkv;
     const int pos = __ldg(position + b);
@@ -316,7 +303,7 @@ __device__ __forceinline__ void attn_item(
             }
         }
         __syncthreads();
-        for (int g = wid; g < G; g += NT / 32) {
+        for (int g = wid; g < G; g += kAttnThreads / 32) {
             float mx = -INFINITY;
             for (int i = lane; i < n; i += 32) mx = fmaxf(mx, sc[g * L + i]);
             mx = warp_max(mx);
@@ -388,7 +375,7 @@ __device__ __forceinline__ void attn_item(
     // that pipeline, instead of a chain of L2 round trips per split. ored is free now: nsplit <= kMaxSplits.
     const float* pb = part + ((size_t)b * Kh + x) * nsplit * GMAX * PSTRIDE;
     float* wsp = ored;  // [GMAX][nsplit]
-    for (int g = wid; g < G; g += NT / 32) {
+    for (int g = wid; g < G; g += kAttnThreads / 32) {
         float M = -INFINITY;
         for (int k = lane; k < nsplit; k += 32) {
             const float* pz = pb + ((size_t)k * GMAX + g) * PSTRIDE;
@@ -421,108 +408,6 @@ __device__ __forceinline__ void attn_item(
         o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num);
     }
 }
-template <typename T, int HD, int GM>
-__global__ void __launch_bounds__(kAttnThreads) attn_kernel(
-    const float* __restrict__ qkv, int R, const int32_t* __restrict__ head_idx, const int32_t* __restrict__ position,
-    const T* __restrict__ rcos, const T* __restrict__ rsin, T* __restrict__ kc, T* __restrict__ vc,
-    float* __restrict__ part, unsigned* __restrict__ ctr, T* __restrict__ o_act, int H, int Hkv, int Kh, int Tlen,
-    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit) {
-    attn_item<T, HD, GM, kAttnThreads>(qkv, R, head_idx, position, rcos, rsin, kc, vc, part, ctr, o_act, H, Hkv, Kh,
-                                       Tlen, rotary, qscale, kv_policy, nslots, L, nsplit, blockIdx.x, blockIdx.y,
-                                       blockIdx.z);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Persistent attention (batch <= 4, one query head per KV head; opt-in, djv_set_persistent_attention):
-// the four launches of the batch <= 4 path - QKV rows, attention core, output projection, partial-sum
-// reduction - as phases of one grid of (up to) 2 CTAs per SM, separated by grid-wide barriers, running the
-// same device code. What it removes is each launch's drain and ramp: the chain's fixed cost per layer
-// (benchmarks/RESULTS.md, session 9) is mostly these boundaries, not bytes.
-// Every CTA must be resident at once, so the host launches it only when the occupancy calculator says
-// the grid fits; two such grids running concurrently (two streams, or MPS) could each hold part of the
-// GPU and wait for the rest, which is why it is off unless the caller (the CUDA executor) turns it on.
-constexpr int kBlockThreads = 256;
-// The barrier word: the counter region's last word at every batch size (the other counters' indices depend
-// on B, and a workspace serves every batch up to the one it was sized for). It alternates 0 / 2^31.
-constexpr int kBarrierCounter = kMaxCounters - 1;
-constexpr int kBlockWarpsPerSm = 2 * kBlockThreads / 32;
-
-// Grid-wide barrier over resident CTAs. The counter's low 31 bits are zero between barriers; CTA 0 adds
-// 2^31 - (grid - 1) and every other CTA adds 1, so the top bit flips exactly when the last CTA arrives and
-// nothing has to be reset (the counter alternates between 0 and 2^31 across barriers and launches).
-__device__ __forceinline__ void grid_barrier(unsigned* bar) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-        __threadfence();  // this CTA's writes (ordered by the __syncthreads) before the arrival
-        const unsigned old = atomicAdd(bar, add);
-        unsigned cur;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(cur) : "l"(bar) : "memory");
-        } while (((cur ^ old) & 0x80000000u) == 0);
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-template <typename T> struct BlockArgs {
-    const T* x;
-    const int32_t* hidx;
-    const int32_t* pos;
-    const T *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *rc, *rs;
-    T *kc, *vc;
-    const T* residual;
-    T* y;
-    float2* y_stats;
-    float *qkv, *pproj, *pattn, *pdown;
-    T* o_act;
-    unsigned *ctr_proj, *ctr_attn, *bar;
-    int B, d, H, Hkv, Kh, Tlen, rotary, policy, nslots, R, L, nsplit, Mo;
-    float qscale;
-    StreamK proj;
-    RowsDownPlan down;
-};
-
-template <typename T, int NB, int HD>
-__global__ void __launch_bounds__(kBlockThreads, 2) attn_block_kernel(const BlockArgs<T> a) {
-    const int wpc = kBlockThreads / 32, nw = gridDim.x * wpc, gw = blockIdx.x * wpc + (threadIdx.x >> 5);
-    pdl_wait_primary();  // x and the residual come from the kernel before
-    pdl_launch_dependents();  // the next kernel may launch; it cannot be resident before this grid ends
-    for (int w = gw; w < a.proj.warps; w += nw)
-        qkv_rows_warp<T, NB, qkv_rows_u(2)>(a.x, a.hidx, a.Kh, a.H, a.Hkv, HD, a.policy, a.nslots, a.wq, a.wk, a.wv,
-                                            a.bq, a.bk, a.bv, a.qkv, a.R, a.pproj, a.ctr_proj, a.B, a.d, a.proj, w);
-    grid_barrier(a.bar);
-    // Attention items first (x < Kh, every split), then the KV writers (x >= Kh, split 0 only).
-    const int n_items = a.Kh * a.B * a.nsplit, n_all = n_items + a.nslots * a.B;
-    for (int v = blockIdx.x; v < n_all; v += gridDim.x) {
-        int x, b, z = 0;
-        if (v < n_items) {
-            x = v % a.Kh;
-            b = (v / a.Kh) % a.B;
-            z = v / (a.Kh * a.B);
-        } else {
-            x = a.Kh + (v - n_items) % a.nslots;
-            b = (v - n_items) / a.nslots;
-        }
-        attn_item<T, HD, 1, kBlockThreads>(a.qkv, a.R, a.hidx, a.pos, a.rc, a.rs, a.kc, a.vc, a.pattn, a.ctr_attn,
-                                           a.o_act, a.H, a.Hkv, a.Kh, a.Tlen, a.rotary, a.qscale, a.policy, a.nslots,
-                                           a.L, a.nsplit, x, b, z);
-        __syncthreads();  // the next item reuses the shared memory
-    }
-    grid_barrier(a.bar);
-    for (int w = gw; w < a.down.C * a.down.S; w += nw)
-        rows_down_warp<T, NB>(a.o_act, a.Mo, a.hidx, HD, a.Mo, a.wo, a.bo, a.residual, a.y, a.pdown, a.B, a.d, a.down,
-                              w);
-    grid_barrier(a.bar);
-    const int nblk = cdiv(a.d, kStatCols);
-    for (int v = blockIdx.x; v < nblk * a.B; v += gridDim.x) {
-        if (a.y_stats)
-            rows_reduce_block<T, true>(a.pdown, a.bo, a.residual, a.y, a.y_stats, a.B, a.d, a.down.C, v % nblk, v / nblk);
-        else
-            rows_reduce_block<T, false>(a.pdown, a.bo, a.residual, a.y, nullptr, a.B, a.d, a.down.C, v % nblk, v / nblk);
-        __syncthreads();  // rows_reduce_block's shared memory is reused by the next block
-    }
-}
 
 struct AttnPlan {
     int nslots, R, tiles, proj_items, ksplit, L, nsplit, Mo;
@@ -549,7 +434,7 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     p.smem = (size_t)(GMAX * hd + 2 * hd + GMAX * L + RP * GMAX * hd) * sizeof(float);
     p.ctr_attn = p.proj_items;
     p.ctr_down = p.ctr_attn + B * Kh;
-    p.ctr_total = p.ctr_down + down_counters(d);  // < kBarrierCounter (checked at the entry point)
+    p.ctr_total = p.ctr_down + down_counters(d);
     size_t o = kCounterBytes;
     p.off_qkv = o; o = align_up(o + (size_t)B * p.R * 4, 256);
     p.off_pproj = o; o = align_up(o + (use_rows(B) ? rows_part_floats(p.proj, p.R, rows_nb(B), 1)
@@ -585,55 +470,6 @@ cudaError_t launch_attn(const AttnPlan& p, const float* qkv, const int32_t* hidx
                                       qscale, policy, st);
 }
 
-// ---- the persistent path's host side
-std::atomic<int> g_persistent_attention{-1};  // -1: not set by djv_set_persistent_attention (env decides)
-bool persistent_attention_on() {
-    const int v = g_persistent_attention.load(std::memory_order_relaxed);
-    if (v >= 0) return v != 0;
-    static const bool env_on = env_int("DJV_ATTN_BLOCK", 0, 1, 0) == 1;  // A/B runs without the setter
-    return env_on;
-}
-
-template <typename T, int NB, int HD>
-cudaError_t launch_attn_block_hd(BlockArgs<T> a, cudaStream_t st, bool& launched) {
-    auto kern = attn_block_kernel<T, NB, HD>;
-    const size_t smem = (size_t)(GMAX * HD + 2 * HD + GMAX * a.L + (kBlockThreads / (HD / 8)) * GMAX * HD) *
-                        sizeof(float);
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-    int per_sm = 0;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kBlockThreads, smem);
-    if (e != cudaSuccess) return e;
-    if (per_sm < 1) return cudaSuccess;  // does not fit: the caller runs the four launches
-    const int grid = (per_sm < 2 ? per_sm : 2) * sm_count();
-    launched = true;
-    return launch_pdl(kern, dim3(grid), dim3(kBlockThreads), smem, st, a);
-}
-
-// Launches the persistent kernel when it applies (launched = true), else leaves launched = false.
-template <typename T>
-cudaError_t launch_attn_block(const AttnPlan& p, BlockArgs<T> a, int hd, cudaStream_t st, bool& launched) {
-    launched = false;
-    if (!persistent_attention_on() || !use_rows(a.B) || a.H != a.Hkv) return cudaSuccess;
-    a.proj = plan_rows(p.R, a.d, kBlockWarpsPerSm);
-    a.down = plan_rows_down(a.d, p.Mo, a.B, kBlockWarpsPerSm);
-    // Its partials must fit the regions planned for the four launches (they do: fewer warps, fewer slots),
-    // and the output projection must have a reduction pass (C > 1), which writes y and its statistics.
-    if (rows_part_floats(a.proj, p.R, rows_nb(a.B), 1) > rows_part_floats(p.proj, p.R, rows_nb(a.B), 1) ||
-        (size_t)a.down.C * a.B * a.d > down_part_floats(a.B, a.d, p.Mo, p.Mo) || a.down.C < 2)
-        return cudaSuccess;
-#define DJV_BLOCK_NB(HDV)                                                                                              \
-    (rows_nb(a.B) == 1 ? launch_attn_block_hd<T, 1, HDV>(a, st, launched)                                              \
-                       : (rows_nb(a.B) == 2 ? launch_attn_block_hd<T, 2, HDV>(a, st, launched)                         \
-                                            : launch_attn_block_hd<T, 4, HDV>(a, st, launched)))
-    switch (hd) {
-    case 64: return DJV_BLOCK_NB(64);
-    case 128: return DJV_BLOCK_NB(128);
-    default: return DJV_BLOCK_NB(256);
-    }
-#undef DJV_BLOCK_NB
-}
-
 template <typename T>
 int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void* wq, const void* wk, const void* wv,
              const void* wo, const void* bq, const void* bk, const void* bv, const void* bo, const void* rc,
@@ -654,32 +490,6 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
         e = launch_apply_norm<T>(static_cast<const T*>(x), x_stats, xn, B, d, rms, eps, st);
         if (e != cudaSuccess) return (int)e;
         x = xn;
-    }
-    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
-    {
-        BlockArgs<T> a{};
-        a.x = static_cast<const T*>(x);
-        a.hidx = hidx;
-        a.pos = pos;
-        a.wq = static_cast<const T*>(wq); a.wk = static_cast<const T*>(wk); a.wv = static_cast<const T*>(wv);
-        a.wo = static_cast<const T*>(wo);
-        a.bq = static_cast<const T*>(bq); a.bk = static_cast<const T*>(bk); a.bv = static_cast<const T*>(bv);
-        a.bo = static_cast<const T*>(bo);
-        a.rc = static_cast<const T*>(rc); a.rs = static_cast<const T*>(rs);
-        a.kc = static_cast<T*>(kc); a.vc = static_cast<T*>(vc);
-        a.residual = static_cast<const T*>(residual);
-        a.y = static_cast<T*>(y);
-        a.y_stats = y_stats;
-        a.qkv = qkv; a.pproj = pproj; a.pattn = pattn; a.pdown = pdown;
-        a.o_act = o_act;
-        a.ctr_proj = ctr; a.ctr_attn = ctr + p.ctr_attn; a.bar = ctr + kBarrierCounter;
-        a.B = B; a.d = d; a.H = H; a.Hkv = Hkv; a.Kh = Kh; a.Tlen = Tlen; a.rotary = rotary; a.policy = policy;
-        a.nslots = p.nslots; a.R = p.R; a.L = p.L; a.nsplit = p.nsplit; a.Mo = p.Mo;
-        a.qscale = qscale;
-        bool launched = false;
-        e = launch_attn_block<T>(p, a, hd, st, launched);
-        if (e != cudaSuccess) return (int)e;
-        if (launched) return (int)cudaGetLastError();
     }
 #define DJV_PROJ(NT)                                                                                                   \
     qkv_proj_kernel<T, NT><<<dim3(p.tiles, p.ksplit), kProjThreads, 0, st>>>(                                        \
@@ -702,6 +512,7 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
 #undef DJV_ROWS_OCC
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
+    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
     const T* rct = static_cast<const T*>(rc);
     const T* rst = static_cast<const T*>(rs);
     T* kct = static_cast<T*>(kc);
@@ -761,7 +572,7 @@ DJV_API int djv_head_sparse_attention_folded(const void* x, const int32_t* head_
     if (x_stats && x_stats == y_stats) return DJV_E_POINTER;
     const AttnPlan p = plan_attn(B, d, H, Hkv, hd, Kh, T, kv_policy, 2);
     if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
-    if (p.ctr_total > kBarrierCounter || p.nsplit > kMaxSplits) return DJV_E_SHAPE;
+    if (p.ctr_total > kMaxCounters || p.nsplit > kMaxSplits) return DJV_E_SHAPE;
     const float2* xs = reinterpret_cast<const float2*>(x_stats);
     float2* ys = reinterpret_cast<float2*>(y_stats);
     const int rms = norm_kind == DJV_RMSNORM;
@@ -772,12 +583,6 @@ DJV_API int djv_head_sparse_attention_folded(const void* x, const int32_t* head_
     return run_attn<__nv_bfloat16>(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos,
                                    rope_sin, k_cache, v_cache, residual, y, B, d, H, Hkv, hd, Kh, T, rotary, scale,
                                    kv_policy, xs, rms, norm_eps, ys, workspace, stream);
-}
-
-DJV_API int djv_set_persistent_attention(int mode) {
-    const int was = persistent_attention_on() ? 1 : 0;
-    if (mode == 0 || mode == 1) g_persistent_attention.store(mode, std::memory_order_relaxed);
-    return was;
 }
 
 DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, const int32_t* position,

@@ -170,15 +170,6 @@ ATTN_CASES = [  # B, H, Hkv, hd, d, T, Kh
 ]
 
 
-@pytest.fixture(params=["launches", "persistent"])
-def attn_mode(request):
-    """Each attention test runs both ways: the four launches, and the persistent kernel
-    (djv_set_persistent_attention; it applies at batch <= 4 with H == Hkv, the other cases fall back)."""
-    was = kernels.set_persistent_attention(request.param == "persistent")
-    yield request.param
-    kernels.set_persistent_attention(was)
-
-
 def make_attn(B, H, Hkv, hd, d, T, dtype, bias=True):
     s = 1 / math.sqrt(d)
     w = dict(w_q=rand(H * hd, d, dtype=dtype, scale=s), w_k=rand(Hkv * hd, d, dtype=dtype, scale=s),
@@ -218,7 +209,7 @@ def check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype):
 @pytest.mark.parametrize("kv_policy", ["dense", "active"])
 @pytest.mark.parametrize("rotary", [0, 1])
 @pytest.mark.parametrize("B,H,Hkv,hd,d,T,Kh", ATTN_CASES)
-def test_head_sparse_attention(B, H, Hkv, hd, d, T, Kh, rotary, kv_policy, dtype, attn_mode):
+def test_head_sparse_attention(B, H, Hkv, hd, d, T, Kh, rotary, kv_policy, dtype):
     x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype, bias=(rotary == 0))
     hidx = rand_idx(H, Kh)
     pos = torch.randint(0, T, (B,), device="cuda", dtype=torch.int32)
@@ -237,7 +228,7 @@ def test_head_sparse_attention(B, H, Hkv, hd, d, T, Kh, rotary, kv_policy, dtype
 
 @pytest.mark.parametrize("alias", [False, True], ids=["out", "in-place"])
 @pytest.mark.parametrize("B", [1, 3, 16])
-def test_attention_residual(B, alias, attn_mode):
+def test_attention_residual(B, alias):
     """y = residual + attention output (fused into the output projection's last pass)."""
     H, Hkv, hd, d, T, Kh, dtype = 16, 4, 64, 264, 70, 5, torch.float16
     x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
@@ -253,7 +244,7 @@ def test_attention_residual(B, alias, attn_mode):
 
 
 @pytest.mark.parametrize("B", [1, 4])
-def test_attention_unused_kv_slot(B, attn_mode):
+def test_attention_unused_kv_slot(B):
     """Active KV policy with two selected heads of one GQA group: 2 KV slots planned, one used. The unused
     slot's rows must be skipped (neither read as a head nor written to the cache)."""
     H, Hkv, hd, d, T, dtype = 16, 4, 64, 264, 50, torch.float16
@@ -271,7 +262,7 @@ def test_attention_unused_kv_slot(B, attn_mode):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_attention_all_heads_equals_dense(dtype, attn_mode):
+def test_attention_all_heads_equals_dense(dtype):
     B, H, Hkv, hd, d, T = 3, 8, 4, 64, 512, 90
     x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
     pos = torch.tensor([89, 0, 45], device="cuda", dtype=torch.int32)
@@ -510,7 +501,7 @@ def test_folded_calls_reject_bad_arguments():
 
 @pytest.mark.parametrize("B,H,Hkv,hd,d,T,Kh", [(1, 40, 40, 128, 5120, 70, 8), (3, 16, 4, 64, 264, 70, 5),
                                                (16, 9, 3, 64, 576, 40, 4)])
-def test_attention_writes_output_stats(B, H, Hkv, hd, d, T, Kh, attn_mode):
+def test_attention_writes_output_stats(B, H, Hkv, hd, d, T, Kh):
     """y_stats of the attention call (from its partial-sum reduction, or read back for batch > 4) are the
     block statistics of the y it wrote; y itself is unchanged by asking for them."""
     dtype = torch.float16
@@ -541,69 +532,8 @@ def test_attention_writes_output_stats(B, H, Hkv, hd, d, T, Kh, attn_mode):
     assert relerr(yf.double() - h.double(), want) < 4 * TOL[dtype]
 
 
-# ----------------------------------------------------------------------- persistent attention kernel
-PERSIST_CASES = [  # B, H (= Hkv), hd, d, T, Kh
-    (1, 40, 128, 5120, 70, 8),    # OPT-13B layer shape, 20% of heads
-    (2, 6, 64, 264, 1, 1),        # T = 1: the only token is the new one; one head
-    (3, 12, 256, 1032, 129, 5),   # head_dim 256, odd d / 8
-    (4, 16, 64, 520, 2100, 16),   # all heads, long context: more attention items than CTAs
-    (1, 32, 128, 4096, 1000, 7),  # LLaMA-2-7B shape
-]
-
-
-def kernel_names(fn):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("kv_policy", ["dense", "active"])
-@pytest.mark.parametrize("rotary", [0, 1])
-@pytest.mark.parametrize("B,H,hd,d,T,Kh", PERSIST_CASES)
-def test_persistent_attention(B, H, hd, d, T, Kh, rotary, kv_policy, dtype):
-    """The persistent kernel (one launch, grid barriers between its phases) against the float64 reference:
-    y = residual + attention, its row statistics, and the KV caches. The profile must show that one kernel
-    ran instead of the four launches, so a silent fallback fails this test."""
-    was = kernels.set_persistent_attention(True)
-    try:
-        x, w, kc, vc = make_attn(B, H, H, hd, d, T, dtype, bias=(rotary == 0))
-        hidx = rand_idx(H, Kh)
-        pos = torch.randint(0, T, (B,), device="cuda", dtype=torch.int32)
-        pos[0] = T - 1
-        kw = dict(num_heads=H, num_kv_heads=H, head_dim=hd, rotary=rotary, scale=hd ** -0.5, kv_policy=kv_policy)
-        want_y, want_k, want_v = attn_ref(x, hidx, pos, w, kc, vc, **kw)
-        kc0, vc0 = kc.clone(), vc.clone()
-        h = rand(B, d, dtype=dtype)
-        y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
-        st = torch.full((B, kernels.stats_blocks(d), 2), float("nan"), device="cuda")
-        names = kernel_names(lambda: kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y,
-                                                                   residual=h, y_stats=st, **kw))
-        assert any("attn_block_kernel" in n for n in names), names
-        assert not any("qkv_rows_kernel" in n or "rows_down_kernel" in n for n in names), names
-        assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
-        assert relerr(y, want_y + h.double()) < TOL[dtype]
-        check_stats(st, y)
-        check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype)
-    finally:
-        kernels.set_persistent_attention(was)
-
-
-def test_persistent_attention_switch():
-    """Off by default (the environment variable aside); the setter returns the previous setting."""
-    was = kernels.set_persistent_attention(False)
-    try:
-        assert kernels.persistent_attention() is False
-        assert kernels.set_persistent_attention(True) is False
-        assert kernels.persistent_attention() is True
-    finally:
-        kernels.set_persistent_attention(was)
-
-
 # -------------------------------------------------------------------------------------- CUDA graph
-def test_cuda_graph_capture_and_replay(attn_mode):
+def test_cuda_graph_capture_and_replay():
     dtype = torch.float16
     B, d, N, H, Hkv, hd, T = 4, 512, 1024, 8, 4, 64, 64
     x, p = make_mlp(B, d, N, "silu_glu", dtype)
@@ -649,19 +579,15 @@ def test_cuda_graph_capture_and_replay(attn_mode):
 
 
 # ------------------------------------------------------------------- programmatic dependent launch chain
-@pytest.mark.parametrize("heads", ["gqa", "mha-persistent"])
 @pytest.mark.parametrize("fold", [False, True], ids=["norm-kernel", "norm-folded"])
 @pytest.mark.parametrize("B,d,N", [(1, 1024, 4096), (2, 1032, 3000), (4, 520, 2000)])
-def test_layer_chain_matches_serialized(B, d, N, fold, heads, request):
+def test_layer_chain_matches_serialized(B, d, N, fold):
     """Several decoder layers' ops back to back on one stream - predictor, norm, attention (+ residual), norm,
     MLP (+ residual) - sharing each op's cached workspace. On sm_90 every kernel but the predictor's launches
     with programmatic dependent launch: it may be resident before the kernel before it ends, and waits for
     it (djv_bulk.cuh). Replayed in a CUDA graph, and eagerly, the result must be bit-identical to the same
     ops run with a device synchronisation after every call (no overlap at all)."""
-    dtype, layers, H, hd, T = torch.float16, 5, 8, 64, 48
-    Hkv = H if heads == "mha-persistent" else 4  # MHA: attention is the persistent kernel (its grid barriers)
-    was = kernels.set_persistent_attention(heads == "mha-persistent")
-    request.addfinalizer(lambda: kernels.set_persistent_attention(was))
+    dtype, layers, H, Hkv, hd, T = torch.float16, 5, 8, 4, 64, 48
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
     ws = []
     for _ in range(layers):
