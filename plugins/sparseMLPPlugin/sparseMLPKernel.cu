@@ -9,7 +9,6 @@
 //     whole rows through shared memory with bulk copies (djv_bulk.cuh); the activations stay on chip.
 // (A bulk-copy QKV kernel and output projection were tried for attention and measured no faster there.)
 #include <stdlib.h>
-#include <mutex>
 #include <string.h>
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
@@ -48,7 +47,6 @@ struct Fold {
 struct BulkPlan {
     int vpt, threads, stages, ctas, per, rem;
     size_t smem;
-    int cluster;  // CTAs per thread-block cluster whose partials are summed on chip (1: none); set at launch
 };
 
 // Registers: <= 128 per thread (two CTAs of 256 per SM) while NB * VPT <= 4; the 64 fp32 partials of
@@ -245,12 +243,6 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
                 for (int e = 0; e < 8; ++e) acc[b][v][e] = fmaf(a[b], wf[e], acc[b][v][e]);
         }
     }
-    // Partial of y: to global memory (part[c][b][:]), or with clusters first to this CTA's ring (free now),
-    // then summed over the cluster's CTAs through distributed shared memory, so that 1/cluster as many
-    // partials go through L2 and the reduction kernel reads 1/cluster as many.
-    const int cs = p.cluster;
-    float* cb = reinterpret_cast<float*>(ring);  // [B][d] fp32 (plan: the ring holds at least that)
-    if (cs > 1) __syncthreads();  // every thread is done reading the last stage
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
         const int c = (v * blockDim.x + tid) * 8;
@@ -258,77 +250,12 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             if (b >= B) break;
-            float4* dst = reinterpret_cast<float4*>((cs > 1 ? cb + (size_t)b * d : part + ((size_t)blockIdx.x * B + b) * d) + c);
+            float4* dst = reinterpret_cast<float4*>(part + ((size_t)blockIdx.x * B + b) * d + c);
             dst[0] = make_float4(acc[b][v][0], acc[b][v][1], acc[b][v][2], acc[b][v][3]);
             dst[1] = make_float4(acc[b][v][4], acc[b][v][5], acc[b][v][6], acc[b][v][7]);
         }
     }
-    if (cs > 1) {
-        cluster_sync();  // every CTA's partial is in its shared memory
-        const int n4 = B * d / 4, per4 = (n4 + cs - 1) / cs;
-        const int i0 = (int)cluster_rank() * per4, i1 = min(n4, i0 + per4);
-        float4* dst = reinterpret_cast<float4*>(part) + (size_t)(blockIdx.x / cs) * n4;
-        for (int i = i0 + tid; i < i1; i += blockDim.x) {  // ranks in order: deterministic
-            float4 t = ld_cluster_f4(cb + 4 * (size_t)i, 0);
-            for (int q = 1; q < cs; ++q) {
-                const float4 u = ld_cluster_f4(cb + 4 * (size_t)i, (unsigned)q);
-                t.x += u.x; t.y += u.y; t.z += u.z; t.w += u.w;
-            }
-            dst[i] = t;
-        }
-        cluster_sync();  // no CTA exits (and frees its shared memory) while another still reads it
-    }
 #endif
-}
-
-// Cluster size for the fused kernel's partial sums: the largest of 4, 2 that divides the grid, whose [B][d]
-// fp32 partial fits the stage ring, and whose clusters can all be resident at once (a second wave of
-// clusters would double the kernel's time); else 1. DJV_MLP_CLUSTER=1|2|4|8 asks for one size (A/B runs;
-// still only if it fits). Occupancy answers are cached: the query costs more than the launch.
-inline int mlp_cluster_env() {
-    static const int v = env_int("DJV_MLP_CLUSTER", 1, 8, 0);
-    return v;
-}
-template <typename K>
-int pick_cluster(K* kern, const BulkPlan& bp, int B, int d, int nseg) {
-    struct Entry { const void* k; int ctas, threads, cs; size_t smem; int ok; };
-    static Entry cache[64];
-    static int used = 0;
-    static std::mutex mu;
-    const int env = mlp_cluster_env();
-    const int cands[3] = {env ? env : 4, env ? 1 : 2, 1};
-    for (int cs : cands) {
-        if (cs <= 1) return 1;
-        if (bp.ctas % cs || (size_t)bp.stages * nseg * d * 2 < (size_t)B * d * 4) continue;
-        int ok = -1;
-        {
-            std::lock_guard<std::mutex> lock(mu);
-            for (int i = 0; i < used; ++i)
-                if (cache[i].k == (const void*)kern && cache[i].ctas == bp.ctas && cache[i].threads == bp.threads &&
-                    cache[i].smem == bp.smem && cache[i].cs == cs)
-                    ok = cache[i].ok;
-        }
-        if (ok < 0) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(bp.ctas);
-            cfg.blockDim = dim3(bp.threads);
-            cfg.dynamicSmemBytes = bp.smem;
-            cudaLaunchAttribute attr[1];
-            attr[0].id = cudaLaunchAttributeClusterDimension;
-            attr[0].val.clusterDim.x = (unsigned)cs;
-            attr[0].val.clusterDim.y = 1;
-            attr[0].val.clusterDim.z = 1;
-            cfg.attrs = attr;
-            cfg.numAttrs = 1;
-            int nc = 0;
-            ok = cudaOccupancyMaxActiveClusters(&nc, kern, &cfg) == cudaSuccess && nc >= bp.ctas / cs;
-            (void)cudaGetLastError();  // a refused query leaves no sticky error behind
-            std::lock_guard<std::mutex> lock(mu);
-            if (used < 64) cache[used++] = Entry{(const void*)kern, bp.ctas, bp.threads, cs, bp.smem, ok};
-        }
-        if (ok) return cs;
-    }
-    return 1;
 }
 
 template <typename T, int NB, int ACT, int VPT>
@@ -338,12 +265,10 @@ cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs,
     auto* k = f.x_stats ? mlp_bulk_kernel<T, NB, ACT, VPT, true> : mlp_bulk_kernel<T, NB, ACT, VPT, false>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
-    BulkPlan p = bp;
-    p.cluster = pick_cluster(k, bp, B, d, ACT == DJV_SILU_GLU ? 3 : 2);
-    e = launch_pdl_cluster(k, dim3(p.ctas), dim3(p.threads), p.smem, st, p.cluster, x, idx, bs, wg, wu, bu, wd, part,
-                           f.x_stats, f.rms, f.eps, B, d, p);
+    e = launch_pdl(k, dim3(bp.ctas), dim3(bp.threads), bp.smem, st, x, idx, bs, wg, wu, bu, wd, part, f.x_stats,
+                   f.rms, f.eps, B, d, bp);
     if (e != cudaSuccess) return e;
-    return launch_rows_reduce<T>(part, bd, res, y, B, d, p.ctas / p.cluster, st, f.y_stats);
+    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st, f.y_stats);
 }
 
 template <typename T, int ACT>
