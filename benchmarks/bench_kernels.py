@@ -5,7 +5,8 @@
 Times are per call, from CUDA-graph replays (a graph holds a run of calls rotating over several copies
 of the weights so that the active bytes exceed L2 several times), median over replays. "GB/s" counts the
 bytes that must move: active weight rows (+ active KV cache for attention) read once, activations and
-outputs. Copy bandwidth = a large device-to-device copy, (read + write) / time, measured in this run.
+outputs. Copy bandwidth = a large device-to-device copy, (read + write) / time, measured in this run; the
+"same-size copy" column is a copy moving the call's bytes, timed the same way (what a copy reaches at that size).
 Dense = torch F.linear chain (cuBLAS) on the same device, same dtype, same rotation.
 """
 from __future__ import annotations
@@ -83,6 +84,25 @@ def copy_bw():
     return 2 * n / t_copy, n / t_read
 
 
+_same_size = {}
+
+
+def copy_same_size(nbytes):
+    """Bandwidth of a device-to-device copy that moves the same bytes as a kernel call (reads nbytes/2, writes
+    nbytes/2), timed like the kernels (graph of calls rotating over copies of the buffers, so they come from
+    HBM): what the copy engine path reaches at this size, ramp and tail included. Context for the target
+    column, which stays against the large copy."""
+    n = max(16, (nbytes // 2) // 16 * 16)
+    if n not in _same_size:
+        bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda"))
+                for _ in range(ncopies(2 * n))]
+        t = graph_time([lambda a=a, b=b: b.copy_(a) for a, b in bufs] * 2)
+        _same_size[n] = 2 * n / t
+        del bufs
+        torch.cuda.empty_cache()
+    return _same_size[n]
+
+
 def ncopies(active_bytes):
     return max(2, min(8, math.ceil(4 * L2_BYTES / max(active_bytes, 1))))
 
@@ -126,8 +146,10 @@ def bench_mlp(name, batches, kepts, cbw, rows):
                 calls.append(lambda kw=kw: kernels.sparse_mlp(x, idx, activation=act, out=y, workspace=ws, **kw))
             t = graph_time(calls * 2)
             nbytes = nmat * K * d * ES + 2 * B * d * ES + (K * ES if not glu else 0)
+            same = copy_same_size(nbytes)
             rows.append(dict(op="mlp", shape=name, B=B, kept=kept, K=K, us=t * 1e6, GBps=nbytes / t / 1e9,
-                             pct_copy=100 * nbytes / t / cbw, dense_us=t_dense * 1e6, speedup=t_dense / t))
+                             pct_copy=100 * nbytes / t / cbw, same_copy_GBps=same / 1e9, pct_same=100 * nbytes / t / same,
+                             dense_us=t_dense * 1e6, speedup=t_dense / t))
             print_row(rows[-1])
     del sets
     torch.cuda.empty_cache()
@@ -179,9 +201,10 @@ def bench_attn(name, batches, head_frac, ctx, cbw, rows):
             t = graph_time(calls * 2)
             nkv_proj = Hkv if pol == "dense" else n_act_kv
             nbytes = (2 * Kh * hd * d + 2 * nkv_proj * hd * d) * ES + 2 * B * n_act_kv * T * hd * ES
+            same = copy_same_size(nbytes)
             rows.append(dict(op="attn", shape=name, B=B, kept=Kh / H, K=Kh, policy=pol, ctx=T, us=t * 1e6,
-                             GBps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / cbw, dense_us=t_dense * 1e6,
-                             speedup=t_dense / t))
+                             GBps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / cbw, same_copy_GBps=same / 1e9,
+                             pct_same=100 * nbytes / t / same, dense_us=t_dense * 1e6, speedup=t_dense / t))
             print_row(rows[-1])
         del sets
         torch.cuda.empty_cache()
@@ -258,8 +281,8 @@ def print_row(r):
         return
     extra = f" {r['policy']:6s}" if r["op"] == "attn" else ""
     print(f"{r['op']:9s} {r['shape']:17s} B={r['B']:2d} kept={r['kept']:.2f}{extra} {r['us']:8.1f} us "
-          f"{r['GBps']:7.0f} GB/s ({r['pct_copy']:5.1f}% copy)  dense {r['dense_us']:8.1f} us  x{r['speedup']:.2f}",
-          flush=True)
+          f"{r['GBps']:7.0f} GB/s ({r['pct_copy']:5.1f}% copy)  dense {r['dense_us']:8.1f} us  x{r['speedup']:.2f}  "
+          f"same-size copy {r['same_copy_GBps']:5.0f} GB/s ({r['pct_same']:5.1f}%)", flush=True)
 
 
 def main(argv=None):

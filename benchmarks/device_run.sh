@@ -52,7 +52,7 @@ run() {  # run NAME ENV... -- CMD...: log to $LOGS/NAME.log, print rc, time and 
     [ $rc -eq 0 ] || failed=1
     printf '%-22s rc=%d %4ds  %s\n' "$name" "$rc" "$(( $(date +%s) - t ))" "$(tail -1 "$LOGS/$name.log" | cut -c1-150)"
     # result lines: kernel-benchmark rows, end-to-end rows (compacted)
-    grep -E '^(mlp|attn|predictor) ' "$LOGS/$name.log" | cut -c1-150
+    grep -E '^(mlp|attn|predictor) ' "$LOGS/$name.log" | cut -c1-200
     grep -E '"config"' "$LOGS/$name.log" | sed -E 's/.*"config": "([^"]*)", "batch": ([0-9]+).*"tbt_ms_p50": ([0-9.]+).*/  \1 B=\2 p50 \3 ms/' | cut -c1-150
 }
 
