@@ -6,7 +6,8 @@ Times are per call, from CUDA-graph replays (a graph holds a run of calls rotati
 of the weights so that the active bytes exceed L2 several times), median over replays. "GB/s" counts the
 bytes that must move: active weight rows (+ active KV cache for attention) read once, activations and
 outputs. Copy bandwidth = a large device-to-device copy, (read + write) / time, measured in this run; the
-"same-size copy" column is a copy moving the call's bytes, timed the same way (what a copy reaches at that size).
+"same-size copy" column is an elementwise SM copy moving the call's bytes, timed the same way (what a plain
+streaming kernel reaches at that size).
 Dense = torch F.linear chain (cuBLAS) on the same device, same dtype, same rotation.
 """
 from __future__ import annotations
@@ -88,16 +89,18 @@ _same_size = {}
 
 
 def copy_same_size(nbytes):
-    """Bandwidth of a device-to-device copy that moves the same bytes as a kernel call (reads nbytes/2, writes
-    nbytes/2), timed like the kernels (graph of calls rotating over copies of the buffers, so they come from
-    HBM): what the copy engine path reaches at this size, ramp and tail included. Context for the target
-    column, which stays against the large copy."""
-    n = max(16, (nbytes // 2) // 16 * 16)
+    """Bandwidth of an SM copy kernel (torch.mul(a, 1, out=b), fp16: an elementwise kernel, not the copy
+    engines) that moves the same bytes as a kernel call (reads nbytes/2, writes nbytes/2), timed like the
+    kernels (graph of calls rotating over copies of the buffers, so they come from HBM): what a plain streaming
+    kernel reaches at this size, launch, ramp and tail included. Context for the target column, which stays
+    against the large copy. (A same-size copy_ is a copy-engine memcpy node in a graph; its readings varied
+    from 2.5 to 3.7 TB/s between neighbouring sizes, so it is not used.)"""
+    n = max(8, (nbytes // 4) // 8 * 8)  # fp16 elements per buffer
     if n not in _same_size:
-        bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda"))
-                for _ in range(ncopies(2 * n))]
-        t = graph_time([lambda a=a, b=b: b.copy_(a) for a, b in bufs] * 2)
-        _same_size[n] = 2 * n / t
+        bufs = [(torch.empty(n, dtype=DT, device="cuda").normal_(), torch.empty(n, dtype=DT, device="cuda"))
+                for _ in range(ncopies(4 * n))]
+        t = graph_time([lambda a=a, b=b: torch.mul(a, 1, out=b) for a, b in bufs] * 2)
+        _same_size[n] = 4 * n / t
         del bufs
         torch.cuda.empty_cache()
     return _same_size[n]
