@@ -1,6 +1,6 @@
 // Probe: what one grid-wide step boundary costs on this GPU, three ways, with (almost) no work in between.
-//   barrier  - one launch of 2 CTAs x 256 threads per SM doing R grid barriers (the persistent attention
-//              kernel's barrier: atomicAdd arrival, ld.acquire spin, top-bit flip);
+//   barrier  - one launch of 2 CTAs x 256 threads per SM doing R grid barriers (the barrier of the persistent
+//              attention kernel tried in 77db4c8: atomicAdd arrival, ld.acquire spin, top-bit flip);
 //   pdl      - R launches of the same grid in a CUDA graph, each launched with programmatic stream
 //              serialisation, waiting (griddepcontrol.wait) for the one before;
 //   plain    - R launches of the same grid in a CUDA graph, ordinary stream order.
