@@ -16,8 +16,9 @@
 # (Nsight Compute counters of one attention and one MLP call, benchmarks/probes/ncu_ops.py). A/B steps with
 # environment settings (comma-separated): e2e-core:ENV=VAL,..., tests:ENV=VAL,... (the attention, chain and
 # executor GPU tests), attn:ENV=VAL,... (bench_kernels --quick --only attn: OPT-13B attention at batch 1/4/16),
-# e2e:ENV=VAL,... (the whole e2e step), mlp:ENV=VAL,... (the mlp step), tests-mlp:ENV=VAL,... (the MLP,
-# chain and executor GPU tests). sync-cost: a grid barrier against a kernel boundary (probes/sync_cost.cu).
+# e2e:ENV=VAL,... (the whole e2e step), mlp:ENV=VAL,... (the mlp step), pred:ENV=VAL,... (the predictor
+# kernel benchmark), tests-mlp:ENV=VAL,... / tests-pred:ENV=VAL,... (the MLP / predictor, chain and
+# executor GPU tests). sync-cost: a grid barrier against a kernel boundary (probes/sync_cost.cu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -67,13 +68,15 @@ for step in "$@"; do
     attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
     e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
     e2e-core) run e2e-core -- $PY "${E2E_CORE[@]}" ;;  # dense, sparse, and sparse with mlp_norm unfolded, B=1/4
-    e2e-core:*|e2e:*|tests:*|tests-mlp:*|attn:*|mlp:*)  # with environment settings, e.g. e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
+    e2e-core:*|e2e:*|tests:*|tests-mlp:*|tests-pred:*|attn:*|mlp:*|pred:*)  # with environment settings, e.g. e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
         IFS=, read -ra kv <<< "${step#*:}"
         case ${step%%:*} in
         e2e-core) cmd=($PY "${E2E_CORE[@]}") ;;
         e2e) cmd=($PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1) ;;
         tests) cmd=($PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "attention or chain or executor") ;;
         tests-mlp) cmd=($PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "mlp or chain or executor") ;;
+        tests-pred) cmd=($PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "predictor or chain or executor") ;;
+        pred) cmd=($PY benchmarks/bench_kernels.py --focus --only pred) ;;
         attn) cmd=($PY benchmarks/bench_kernels.py --quick --only attn) ;;
         mlp) cmd=($PY benchmarks/bench_kernels.py --focus --only mlp) ;;
         esac
