@@ -311,8 +311,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_r8_kernel(float* __restrict
 
 // ---------------------------------------------------------------------------------------------
 // topk_kernel (v3): bisection on the key bits with the keys in registers. The K-th largest key T is the
-// largest value with count(key >= T) >= K, built from the top bit down: one block-wide count per round of
-// STEP bits (2 by default; bisect_round). Warp w
+// largest value with count(key >= T) >= K, built from the top bit down: one block-wide count per bit. Warp w
 // holds the warp-contiguous index range [w*KPT*32, (w+1)*KPT*32) (coalesced loads), so the final compaction
 // needs no reshuffle. After the top kFilterBits bits, the keys that share T's prefix (for continuous scores a
 // small fraction) go to a shared candidate list and the finer bits count only those, plus the count above the
@@ -321,61 +320,26 @@ constexpr int kFilterBits = 12;
 constexpr int kCandPerThread = 4;
 constexpr int kTopkMaxKpt = 32;
 
-// Block-wide sums of c[0..NM) (every thread passes its own counts). Two alternating slot sets per warp: one
-// barrier per call is enough, because a warp can only overwrite a slot after every warp has passed the
-// barrier of the call that read it.
-template <int NM>
-__device__ __forceinline__ void block_count(unsigned (&c)[NM], unsigned* s_cnt, int& parity) {
+// Block-wide sum of c (every thread passes its own count). Two alternating slots per warp: one barrier per
+// call is enough, because a warp can only overwrite a slot after every warp has passed the barrier of the call
+// that read it.
+__device__ __forceinline__ unsigned block_count(unsigned c, unsigned* s_cnt, int& parity) {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-#pragma unroll
-    for (int m = 0; m < NM; ++m) c[m] = __reduce_add_sync(0xffffffffu, c[m]);
-    if (lane == 0)
-#pragma unroll
-        for (int m = 0; m < NM; ++m) s_cnt[(parity * 32 + wid) * NM + m] = c[m];
+    c = __reduce_add_sync(0xffffffffu, c);
+    if (lane == 0) s_cnt[parity * 32 + wid] = c;
     __syncthreads();
-#pragma unroll
-    for (int m = 0; m < NM; ++m) c[m] = __reduce_add_sync(0xffffffffu, s_cnt[(parity * 32 + lane) * NM + m]);
+    const unsigned t = __reduce_add_sync(0xffffffffu, s_cnt[parity * 32 + lane]);
     parity ^= 1;
-}
-__device__ __forceinline__ unsigned block_count1(unsigned c, unsigned* s_cnt, int& parity) {
-    unsigned v[1] = {c};
-    block_count<1>(v, s_cnt, parity);
-    return v[0];
-}
-
-// One bisection round over STEP bits (bit down to bit - STEP + 1): the counts of keys >= T | m << shift for
-// every digit m > 0 in one block-wide count, and T takes the largest m whose count (+ base) reaches K. Two
-// bits per round halve the rounds, i.e. the block-wide barriers that bound this kernel, for 3 compares per
-// key instead of 1 (DJV_TOPK_1BIT=1 runs one bit per round, for A/B).
-template <int STEP, int NK>
-__device__ __forceinline__ uint32_t bisect_round(uint32_t T, int bit, const uint32_t (&keys)[NK], unsigned base,
-                                                 unsigned K, unsigned* s_cnt, int& parity) {
-    constexpr int NM = (1 << STEP) - 1;
-    const int sh = bit - STEP + 1;
-    unsigned c[NM];
-#pragma unroll
-    for (int m = 0; m < NM; ++m) c[m] = 0u;
-#pragma unroll
-    for (int j = 0; j < NK; ++j)
-#pragma unroll
-        for (int m = 0; m < NM; ++m) c[m] += keys[j] >= (T | ((uint32_t)(m + 1) << sh));
-    block_count<NM>(c, s_cnt, parity);
-    uint32_t t = T;
-#pragma unroll
-    for (int m = 0; m < NM; ++m)  // counts fall as m grows: the last m that reaches K is the largest
-        if (base + c[m] >= K) t = T | ((uint32_t)(m + 1) << sh);
     return t;
 }
 
-template <int KPT, int STEP>
+template <int KPT>
 __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restrict__ scores, Part p0, Part p1,
                                                             int nmax) {
     static_assert(kTopkThreads == 1024, "one count slot per warp, 32 warps");
-    static_assert(kFilterBits % STEP == 0 && (32 - kFilterBits) % STEP == 0, "rounds tile the key bits");
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
-    __shared__ unsigned s_cnt[2 * 32 * ((1 << STEP) - 1)];  // the rounds' counts
-    __shared__ unsigned s_cnt1[2 * 32];  // single counts: a separate array, as the slot layouts differ
+    __shared__ unsigned s_cnt[64];
     __shared__ uint32_t s_cand[kCandPerThread * kTopkThreads];
     __shared__ unsigned s_ncand, wgt[32], weq[32];
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
@@ -392,7 +356,13 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
     int parity = 0;
     uint32_t T = 0;
     int bit = 31;
-    for (; bit >= 32 - kFilterBits; bit -= STEP) T = bisect_round<STEP>(T, bit, key, 0u, (unsigned)K, s_cnt, parity);
+    for (; bit >= 32 - kFilterBits; --bit) {
+        const uint32_t c = T | (1u << bit);
+        unsigned cnt = 0;
+#pragma unroll
+        for (int j = 0; j < KPT; ++j) cnt += key[j] >= c;
+        if (block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+    }
     // keys above T's prefix, and the candidates that share it
     const uint32_t pre = T >> (32 - kFilterBits);
     unsigned above = 0, ncand = 0;
@@ -402,8 +372,8 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
         above += kp > pre;                   // padding (key 0) has prefix 0: never above
         ncand += kp == pre && key[j] != 0u;  // ... but shares a prefix of 0
     }
-    above = block_count1(above, s_cnt1, parity);
-    ncand = block_count1(ncand, s_cnt1, parity);
+    above = block_count(above, s_cnt, parity);
+    ncand = block_count(ncand, s_cnt, parity);
     if (ncand <= (unsigned)(kCandPerThread * kTopkThreads)) {
 #pragma unroll
         for (int j = 0; j < KPT; ++j) {
@@ -421,9 +391,21 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
             const unsigned q = (unsigned)(m * kTopkThreads + tid);
             ck[m] = q < ncand ? s_cand[q] : 0u;
         }
-        for (; bit >= 0; bit -= STEP) T = bisect_round<STEP>(T, bit, ck, above, (unsigned)K, s_cnt, parity);
+        for (; bit >= 0; --bit) {
+            const uint32_t c = T | (1u << bit);
+            unsigned cnt = 0;
+#pragma unroll
+            for (int m = 0; m < kCandPerThread; ++m) cnt += ck[m] >= c;
+            if (above + block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+        }
     } else {  // many equal prefixes (e.g. ties): keep counting every key
-        for (; bit >= 0; bit -= STEP) T = bisect_round<STEP>(T, bit, key, 0u, (unsigned)K, s_cnt, parity);
+        for (; bit >= 0; --bit) {
+            const uint32_t c = T | (1u << bit);
+            unsigned cnt = 0;
+#pragma unroll
+            for (int j = 0; j < KPT; ++j) cnt += key[j] >= c;
+            if (block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+        }
     }
     // T is the K-th largest key: take every key > T and the first K - count(> T) keys == T in index order
     unsigned gtc = 0, eqc = 0;
@@ -465,11 +447,6 @@ inline int topk_kpt(int n) {
 // DJV_TOPK_R8=1: the v1 top-k (8-bit digits, four passes over every key), for A/B measurements.
 inline bool topk_r8() {
     static const bool on = getenv("DJV_TOPK_R8") != nullptr;
-    return on;
-}
-
-inline bool topk_1bit() {
-    static const bool on = getenv("DJV_TOPK_1BIT") != nullptr;
     return on;
 }
 
@@ -536,13 +513,11 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
         topk_r8_kernel<<<2, kTopkThreads, ksm, st>>>(sc, p0, p1, p.nmax, p.keys_smem ? 1 : 0);
         return (int)cudaGetLastError();
     }
-    auto go = [&](auto k) { k<<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); };
-    const bool one_bit = topk_1bit();
     switch (kpt) {
-    case 4: one_bit ? go(topk_kernel<4, 1>) : go(topk_kernel<4, 2>); break;
-    case 12: one_bit ? go(topk_kernel<12, 1>) : go(topk_kernel<12, 2>); break;
-    case 24: one_bit ? go(topk_kernel<24, 1>) : go(topk_kernel<24, 2>); break;
-    default: one_bit ? go(topk_kernel<kTopkMaxKpt, 1>) : go(topk_kernel<kTopkMaxKpt, 2>); break;
+    case 4: topk_kernel<4><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 12: topk_kernel<12><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 24: topk_kernel<24><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    default: topk_kernel<kTopkMaxKpt><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
     }
     return (int)cudaGetLastError();
 }
