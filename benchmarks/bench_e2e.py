@@ -274,15 +274,16 @@ def sweep_kept(args) -> list[dict]:
     dims, L = w.dims, w.dims.num_layers
     kw = dict(steps=args.steps, warmup=args.warmup, prompt_len=args.prompt_len, max_context=T, dense=False, batch=1)
     rows, fits = [], {}
-    variants = (("predictor on the side stream", {}), ("fixed indices, one stream", {"side_stream": False}))
+    # (name, ops factory, executor options)
+    variants = (("predictor on the side stream", lambda: args.ops, {}),
+                ("fixed indices, one stream", fixed_index_ops, {"side_stream": False}))
     for mlp_kept, heads_kept in SWEEP:
         units = max(1, round(mlp_kept * dims.intermediate_size / w.config.block_size))
         heads = max(1, round(heads_kept * dims.num_heads))
         cfg = dataclasses.replace(w.config, mlp_kept_units=[units] * L, heads_kept=[heads] * L)
         wk = dataclasses.replace(w, config=cfg)
-        for name, extra in variants:
-            ops = fixed_index_ops() if extra else args.ops
-            r = time_mode(wk, ops=ops, **kw, **extra)
+        for name, make_ops, extra in variants:
+            r = time_mode(wk, ops=make_ops(), **kw, **extra)
             rows.append({**row(f"sweep: {units} neurons, {heads} heads, {name}", r, copy_bw),
                          "variant": name, "mlp_units": units, "heads": heads})
             log(json.dumps(rows[-1]))

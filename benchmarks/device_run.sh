@@ -18,7 +18,7 @@
 # executor GPU tests), attn:ENV=VAL,... (bench_kernels --quick --only attn: OPT-13B attention at batch 1/4/16),
 # e2e:ENV=VAL,... (the whole e2e step), mlp:ENV=VAL,... (the mlp step), pred:ENV=VAL,... (the predictor
 # kernel benchmark), tests-mlp:ENV=VAL,... / tests-pred:ENV=VAL,... (the MLP / predictor, chain and
-# executor GPU tests). sync-cost: a grid barrier against a kernel boundary (probes/sync_cost.cu).
+# executor GPU tests). pred: the predictor kernel benchmark alone. sync-cost: a grid barrier against a kernel boundary (probes/sync_cost.cu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -58,27 +58,32 @@ run() {  # run NAME ENV... -- CMD...: log to $LOGS/NAME.log, print rc, time and 
 }
 
 E2E_CORE=(benchmarks/bench_e2e.py --opt13b --core --batches 1 4)
+E2E_ALL=(benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1)
+MLP_FOCUS=(benchmarks/bench_kernels.py --focus --only mlp)
+PRED_FOCUS=(benchmarks/bench_kernels.py --focus --only pred)
+GPU_TESTS=(-m pytest -q -x -p no:cacheprovider tests/gpu)
 for step in "$@"; do
     case $step in
-    tests) run tests -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu ;;
-    tests-portable) run tests-portable DJV_NO_BULK=1 DJV_TOPK_R8=1 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu ;;
-    tests-nopdl) run tests-nopdl DJV_NO_PDL=1 -- $PY -m pytest -q -x -p no:cacheprovider tests/gpu -k kernel ;;
+    tests) run tests -- $PY "${GPU_TESTS[@]}" ;;
+    tests-portable) run tests-portable DJV_NO_BULK=1 DJV_TOPK_R8=1 -- $PY "${GPU_TESTS[@]}" ;;
+    tests-nopdl) run tests-nopdl DJV_NO_PDL=1 -- $PY "${GPU_TESTS[@]}" -k kernel ;;
     kernels) run kernels -- $PY benchmarks/bench_kernels.py --focus --only mlp,attn,pred --json "$LOGS/kernels.json" ;;
-    mlp) run mlp -- $PY benchmarks/bench_kernels.py --focus --only mlp --json "$LOGS/mlp.json" ;;
+    mlp) run mlp -- $PY "${MLP_FOCUS[@]}" --json "$LOGS/mlp.json" ;;
+    pred) run pred -- $PY "${PRED_FOCUS[@]}" --json "$LOGS/pred.json" ;;
     attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
-    e2e) run e2e -- $PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1 --json-out "$LOGS/e2e.json" ;;
+    e2e) run e2e -- $PY "${E2E_ALL[@]}" --json-out "$LOGS/e2e.json" ;;
     e2e-core) run e2e-core -- $PY "${E2E_CORE[@]}" ;;  # dense, sparse, and sparse with mlp_norm unfolded, B=1/4
     e2e-core:*|e2e:*|tests:*|tests-mlp:*|tests-pred:*|attn:*|mlp:*|pred:*)  # with environment settings, e.g. e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
         IFS=, read -ra kv <<< "${step#*:}"
         case ${step%%:*} in
         e2e-core) cmd=($PY "${E2E_CORE[@]}") ;;
-        e2e) cmd=($PY benchmarks/bench_e2e.py --opt13b --batches 1 4 16 --hf-batches 1) ;;
-        tests) cmd=($PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "attention or chain or executor") ;;
-        tests-mlp) cmd=($PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "mlp or chain or executor") ;;
-        tests-pred) cmd=($PY -m pytest -q -x -p no:cacheprovider tests/gpu -k "predictor or chain or executor") ;;
-        pred) cmd=($PY benchmarks/bench_kernels.py --focus --only pred) ;;
+        e2e) cmd=($PY "${E2E_ALL[@]}") ;;
+        tests) cmd=($PY "${GPU_TESTS[@]}" -k "attention or chain or executor") ;;
+        tests-mlp) cmd=($PY "${GPU_TESTS[@]}" -k "mlp or chain or executor") ;;
+        tests-pred) cmd=($PY "${GPU_TESTS[@]}" -k "predictor or chain or executor") ;;
+        pred) cmd=($PY "${PRED_FOCUS[@]}") ;;
         attn) cmd=($PY benchmarks/bench_kernels.py --quick --only attn) ;;
-        mlp) cmd=($PY benchmarks/bench_kernels.py --focus --only mlp) ;;
+        mlp) cmd=($PY "${MLP_FOCUS[@]}") ;;
         esac
         run "$step" "${kv[@]}" -- "${cmd[@]}" ;;
     e2e-core-applynorm)  # the same, the folded norm done by its own kernel (DJV_FOLD_IN_MLP=0), B=1/4/16
