@@ -48,7 +48,9 @@ run() {  # run NAME ENV... -- CMD...: log to $LOGS/NAME.log, print rc, time and 
     while [ "$1" != "--" ]; do envs+=("$1"); shift; done
     shift
     local t=$(date +%s)
-    env "${envs[@]}" "$@" > "$LOGS/$name.log" 2>&1
+    # STEP_TIMEOUT (seconds, default 420): a hung step (e.g. a kernel that never finishes) cannot eat the
+    # device call's whole time limit; rc 124 then says so
+    timeout "${STEP_TIMEOUT:-420}" env "${envs[@]}" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
     [ $rc -eq 0 ] || failed=1
     printf '%-22s rc=%d %4ds  %s\n' "$name" "$rc" "$(( $(date +%s) - t ))" "$(tail -1 "$LOGS/$name.log" | cut -c1-150)"

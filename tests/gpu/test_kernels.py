@@ -532,6 +532,74 @@ def test_attention_writes_output_stats(B, H, Hkv, hd, d, T, Kh):
     assert relerr(yf.double() - h.double(), want) < 4 * TOL[dtype]
 
 
+# Batch 1, H == Hkv, KV policy "active": the shapes the fused cluster kernel takes when DJV_ATTN_FUSED=1
+# (headSparseAttentionFused.cuh); without it the same cases check the split path.
+FUSED_CASES = [  # H, hd, d, T, Kh, pos
+    (40, 128, 5120, 2048, 8, 2047),  # OPT-13B shape at 2k context
+    (40, 128, 5120, 2048, 8, 3),     # 4 tokens: most CTAs of each cluster have no context
+    (12, 64, 200, 1, 12, 0),         # one token, every head, d not a multiple of 256
+    (32, 128, 4096, 700, 32, 517),   # LLaMA-2-7B shape, every head
+    (4, 256, 1032, 40, 2, 39),       # head_dim 256
+    (6, 64, 520, 333, 1, 200),       # one head
+]
+
+
+def fused_expected() -> bool:
+    import os
+    return os.environ.get("DJV_ATTN_FUSED") == "1" and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("rotary", [0, 1])
+@pytest.mark.parametrize("H,hd,d,T,Kh,p", FUSED_CASES)
+def test_attention_batch1_mha(H, hd, d, T, Kh, p, rotary, dtype):
+    """Batch 1 MHA with the active KV policy, plain and with the input norm folded, the residual and the
+    output statistics; runs the fused kernel when DJV_ATTN_FUSED=1 on sm_90 (asserted), else the split path."""
+    c = kernels.head_attention_fused_cluster(1, d, H, H, hd, Kh, T, "active")
+    assert (c in (8, 16)) if fused_expected() else c == 0
+    x, w, kc, vc = make_attn(1, H, H, hd, d, T, dtype, bias=(rotary == 0))
+    hidx = rand_idx(H, Kh)
+    pos = torch.tensor([p], device="cuda", dtype=torch.int32)
+    kw = dict(num_heads=H, num_kv_heads=H, head_dim=hd, rotary=rotary, scale=hd ** -0.5, kv_policy="active")
+    want_y, want_k, want_v = attn_ref(x, hidx, pos, w, kc, vc, **kw)
+    kc0, vc0 = kc.clone(), vc.clone()
+    y = torch.full((1, d), float("nan"), device="cuda", dtype=dtype)
+    kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y, **kw)
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    assert relerr(y, want_y) < TOL[dtype]
+    check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype)
+    # LayerNorm folded (weight into w_q/w_k/w_v, bias into their biases), residual, output statistics
+    g = rand(d, dtype=dtype, scale=0.3) + 1.0
+    beta = rand(d, dtype=dtype, scale=0.2)
+    h = (x.float() * 2 + 0.7).to(dtype)
+    wf = dict(w)
+    for k, b in (("w_q", "b_q"), ("w_k", "b_k"), ("w_v", "b_v")):
+        wf[k], wf[b] = kernels.fold_norm(w[k], g, beta, w[b])
+    res = rand(1, d, dtype=dtype)
+    st = torch.full((1, kernels.stats_blocks(d), 2), float("nan"), device="cuda")
+    kc.copy_(kc0)
+    vc.copy_(vc0)
+    yf = torch.full((1, d), float("nan"), device="cuda", dtype=dtype)
+    kernels.head_sparse_attention(h, hidx, pos, *wf.values(), kc, vc, out=yf, residual=res,
+                                  x_stats=kernels.row_stats(h), norm_kind="layernorm", norm_eps=1e-5, y_stats=st,
+                                  **kw)
+    want_f, _, _ = attn_ref(normed64(h, "layernorm", 1e-5, g, beta).to(dtype), hidx, pos, w, kc0, vc0, **kw)
+    assert torch.isfinite(yf).all()
+    assert relerr(yf.double() - res.double(), want_f) < 4 * TOL[dtype]
+    check_stats(st, yf)
+
+
+def test_attention_fused_cluster_only_where_it_applies():
+    """Batch > 1, GQA and the dense KV policy always take the split path; batch-1 MHA with the active policy
+    takes the fused kernel exactly when DJV_ATTN_FUSED=1 on sm_90."""
+    f = kernels.head_attention_fused_cluster
+    assert f(2, 5120, 40, 40, 128, 8, 2048, "active") == 0
+    assert f(1, 4096, 32, 8, 128, 6, 2048, "active") == 0
+    assert f(1, 5120, 40, 40, 128, 8, 2048, "dense") == 0
+    c = f(1, 5120, 40, 40, 128, 8, 2048, "active")
+    assert (c in (8, 16)) if fused_expected() else c == 0
+
+
 # -------------------------------------------------------------------------------------- CUDA graph
 def test_cuda_graph_capture_and_replay():
     dtype = torch.float16
