@@ -12,6 +12,7 @@
 // clusters plus the head reduction (headSparseAttentionFused.cuh, DJV_ATTN_FUSED).
 #include <cooperative_groups.h>
 #include <math.h>
+#include <stdio.h>
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"

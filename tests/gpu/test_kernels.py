@@ -585,7 +585,7 @@ def test_attention_batch1_mha(H, hd, d, T, Kh, p, rotary, dtype):
                                   **kw)
     want_f, _, _ = attn_ref(normed64(h, "layernorm", 1e-5, g, beta).to(dtype), hidx, pos, w, kc0, vc0, **kw)
     assert torch.isfinite(yf).all()
-    assert relerr(yf.double() - res.double(), want_f) < 4 * TOL[dtype]
+    assert relerr(yf, want_f + res.double()) < 2 * TOL[dtype]  # not yf - res: that amplifies y's rounding
     check_stats(st, yf)
 
 
