@@ -60,7 +60,7 @@ _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
 _NORM = {"layernorm": 0, "rmsnorm": 1}
-ABI_VERSION = 5  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
+ABI_VERSION = 4  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
 
@@ -109,8 +109,6 @@ def open_library(path: str | Path) -> ctypes.CDLL:
     lib.djv_head_attention_workspace_size.restype = Z
     lib.djv_head_attention_workspace_size.argtypes = [I] * 8
     lib.djv_head_sparse_attention.restype = I
-    lib.djv_head_attention_fused_cluster.restype = I
-    lib.djv_head_attention_fused_cluster.argtypes = [I] * 8
     lib.djv_head_sparse_attention.argtypes = [P] * 17 + [I] * 8 + [F, I, I, P, Z, P]
     lib.djv_norm.restype = I
     lib.djv_norm.argtypes = [P] * 4 + [I] * 3 + [F, I, P]
@@ -281,11 +279,6 @@ def sparse_mlp(x, idx, *, activation: str, block_size: int = 1, w_up, w_down_t, 
                                    ws.numel(), _stream())
     _check(st, "sparse_mlp")
     return y
-
-
-def head_attention_fused_cluster(B, d, H, Hkv, hd, Kh, T, kv_policy: str) -> int:
-    """Cluster size of the batch-1 fused attention kernel a call with these sizes runs (0: the split path)."""
-    return load_library().djv_head_attention_fused_cluster(B, d, H, Hkv, hd, Kh, T, _POLICY[kv_policy])
 
 
 def head_sparse_attention(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos, rope_sin,

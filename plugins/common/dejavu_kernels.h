@@ -31,9 +31,8 @@ extern "C" {
 #define DJV_API __attribute__((visibility("default")))
 #endif
 
-#define DJV_ABI_VERSION 5  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
-                              4: norm folding (djv_row_stats, djv_*_folded);
-                              5: djv_head_attention_fused_cluster */
+#define DJV_ABI_VERSION 4  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
+                              4: norm folding (djv_row_stats, djv_*_folded) */
 
 enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
 enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
@@ -92,11 +91,6 @@ DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, co
                                       const void* residual, void* y, int B, int d, int H, int Hkv, int hd, int Kh, int T, int rotary,
                                       float scale, int kv_policy, int dtype, void* workspace,
                                       size_t workspace_bytes, cudaStream_t stream);
-
-/* Which kernels a call with these sizes runs on the current device: the cluster size (8 or 16) of the batch-1
- * fused kernel, or 0 for the split path. The fused kernel needs sm_90, B == 1, H == Hkv, kv_policy ==
- * DJV_KV_ACTIVE and DJV_ATTN_FUSED=1 in the environment (read once per process). For tests and benchmarks. */
-DJV_API int djv_head_attention_fused_cluster(int B, int d, int H, int Hkv, int hd, int Kh, int T, int kv_policy);
 
 /* ---- Row normalisation (CUDA executor; not a plugin) --------------------------------------
  * x [rows,d], weight [d], bias [d] (LayerNorm only, may be NULL) -> y [rows,d] (may be x).

@@ -8,11 +8,7 @@
 //     from the cache, so the extra "writer" CTAs that store the new K/V rows need no ordering with readers.
 //     The last split of each item merges the partial softmaxes in a fixed order.
 //  3. djv::launch_down: output projection over the selected heads' rows of w_o_t (+ b_o).
-// Batch 1 with H == Hkv and the active KV policy can instead run all of it as one kernel of thread-block
-// clusters plus the head reduction (headSparseAttentionFused.cuh, DJV_ATTN_FUSED).
-#include <cooperative_groups.h>
 #include <math.h>
-#include <stdio.h>
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"
@@ -58,8 +54,6 @@ __device__ __forceinline__ float rope_at(const float* u, int e, int hd, const T*
     return e < half ? u[e] * c - u[e + half] * s : u[e] * c + u[e - half] * s;
 }
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f(from_f<T>(v)); }
-
-#include "headSparseAttentionFused.cuh"
 
 // Batch 5-16: tiles 0..qt-1 are Q rows of the selected heads; then K rows, then V rows, of the KV slots the
 // policy writes.
@@ -417,9 +411,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
 
 struct AttnPlan {
     int nslots, R, tiles, proj_items, ksplit, L, nsplit, Mo;
-    int fused;     // cluster size of the batch-1 fused kernel, 0 for the split path
     StreamK proj;  // batch <= 4
-    size_t smem, off_qkv, off_pproj, off_pattn, off_o, off_pdown, off_xn, off_pfused, total;
+    size_t smem, off_qkv, off_pproj, off_pattn, off_o, off_pdown, off_xn, total;
     int ctr_attn, ctr_down, ctr_total;
 };
 
@@ -450,8 +443,6 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     p.off_o = o; o = align_up(o + (size_t)16 * p.Mo * esize, 256);
     p.off_pdown = o; o = align_up(o + down_part_floats(B, d, p.Mo, p.Mo) * 4, 256);
     p.off_xn = o; o = align_up(o + (size_t)B * d * esize, 256);  // x normalised, for a folded call
-    p.fused = fused_cluster(B, d, H, Hkv, hd, T, policy);
-    p.off_pfused = o; o = align_up(o + (p.fused ? (size_t)Kh * d * 4 : 0), 256);  // [Kh][d] head partials
     p.total = o;
     return p;
 }
@@ -494,26 +485,6 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     T* o_act = reinterpret_cast<T*>(base + p.off_o);
     float* pdown = reinterpret_cast<float*>(base + p.off_pdown);
     cudaError_t e = cudaSuccess;
-    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
-    if (p.fused) {
-        float* pf = reinterpret_cast<float*>(base + p.off_pfused);
-        const T* xt = static_cast<const T*>(x);
-        const T* a[7] = {static_cast<const T*>(wq), static_cast<const T*>(wk), static_cast<const T*>(wv),
-                         static_cast<const T*>(bq), static_cast<const T*>(bk), static_cast<const T*>(bv),
-                         static_cast<const T*>(wo)};
-        const T* rct = static_cast<const T*>(rc);
-        const T* rst = static_cast<const T*>(rs);
-        T* kct = static_cast<T*>(kc);
-        T* vct = static_cast<T*>(vc);
-#define DJV_FUSED(HD)                                                                                                  \
-    launch_fused_hd<T, HD>(p.fused, xt, x_stats, rms, eps, hidx, pos, a[0], a[1], a[2], a[3], a[4], a[5], rct, rst,   \
-                           kct, vct, a[6], pf, H, Kh, d, Tlen, rotary, qscale, st)
-        e = hd == 64 ? DJV_FUSED(64) : (hd == 128 ? DJV_FUSED(128) : DJV_FUSED(256));
-#undef DJV_FUSED
-        if (e != cudaSuccess) return (int)e;
-        return (int)launch_rows_reduce<T>(pf, static_cast<const T*>(bo), static_cast<const T*>(residual),
-                                          static_cast<T*>(y), 1, d, Kh, st, y_stats);
-    }
     if (x_stats) {  // folded norm: the projections read x as given, so normalise it into the workspace first
         T* xn = reinterpret_cast<T*>(base + p.off_xn);
         e = launch_apply_norm<T>(static_cast<const T*>(x), x_stats, xn, B, d, rms, eps, st);
@@ -541,6 +512,7 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
 #undef DJV_ROWS_OCC
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
+    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
     const T* rct = static_cast<const T*>(rc);
     const T* rst = static_cast<const T*>(rs);
     T* kct = static_cast<T*>(kc);
@@ -573,11 +545,6 @@ DJV_API size_t djv_head_attention_workspace_size(int B, int d, int H, int Hkv, i
         need = t > need ? t : need;
     }
     return need;
-}
-
-DJV_API int djv_head_attention_fused_cluster(int B, int d, int H, int Hkv, int hd, int Kh, int T, int kv_policy) {
-    if (B < 1 || d < 8 || H < 1 || Hkv < 1 || hd < 16 || Kh < 1 || T < 1) return 0;
-    return plan_attn(B, d, H, Hkv, hd, Kh, T, kv_policy, 2).fused;
 }
 
 DJV_API int djv_head_sparse_attention_folded(const void* x, const int32_t* head_idx, const int32_t* position,
