@@ -323,26 +323,24 @@ constexpr int kTopkMaxKpt = 32;
 // Block-wide sum of c (every thread passes its own count). Two alternating slots per warp: one barrier per
 // call is enough, because a warp can only overwrite a slot after every warp has passed the barrier of the call
 // that read it.
-template <int NW>
 __device__ __forceinline__ unsigned block_count(unsigned c, unsigned* s_cnt, int& parity) {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     c = __reduce_add_sync(0xffffffffu, c);
     if (lane == 0) s_cnt[parity * 32 + wid] = c;
     __syncthreads();
-    const unsigned t = __reduce_add_sync(0xffffffffu, lane < NW ? s_cnt[parity * 32 + lane] : 0u);
+    const unsigned t = __reduce_add_sync(0xffffffffu, s_cnt[parity * 32 + lane]);
     parity ^= 1;
     return t;
 }
 
-// NT threads (1024, or 512 with DJV_TOPK_THREADS=512: at most half an SM's registers, for A/B runs).
-template <int KPT, int NT>
-__device__ __forceinline__ void topk_body(const float* __restrict__ scores, Part p0, Part p1, int nmax) {
-    static_assert(NT == 1024 || NT == 512, "one count slot per warp, at most 32 warps");
-    constexpr int NW = NT / 32;
+template <int KPT>
+__global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restrict__ scores, Part p0, Part p1,
+                                                            int nmax) {
+    static_assert(kTopkThreads == 1024, "one count slot per warp, 32 warps");
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
     __shared__ unsigned s_cnt[64];
-    __shared__ uint32_t s_cand[kCandPerThread * NT];
+    __shared__ uint32_t s_cand[kCandPerThread * kTopkThreads];
     __shared__ unsigned s_ncand, wgt[32], weq[32];
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const float* s = scores + (size_t)blockIdx.x * nmax;
@@ -363,7 +361,7 @@ __device__ __forceinline__ void topk_body(const float* __restrict__ scores, Part
         unsigned cnt = 0;
 #pragma unroll
         for (int j = 0; j < KPT; ++j) cnt += key[j] >= c;
-        if (block_count<NW>(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+        if (block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
     }
     // keys above T's prefix, and the candidates that share it
     const uint32_t pre = T >> (32 - kFilterBits);
@@ -374,9 +372,9 @@ __device__ __forceinline__ void topk_body(const float* __restrict__ scores, Part
         above += kp > pre;                   // padding (key 0) has prefix 0: never above
         ncand += kp == pre && key[j] != 0u;  // ... but shares a prefix of 0
     }
-    above = block_count<NW>(above, s_cnt, parity);
-    ncand = block_count<NW>(ncand, s_cnt, parity);
-    if (ncand <= (unsigned)(kCandPerThread * NT)) {
+    above = block_count(above, s_cnt, parity);
+    ncand = block_count(ncand, s_cnt, parity);
+    if (ncand <= (unsigned)(kCandPerThread * kTopkThreads)) {
 #pragma unroll
         for (int j = 0; j < KPT; ++j) {
             const bool c = key[j] != 0u && (key[j] >> (32 - kFilterBits)) == pre;
@@ -390,7 +388,7 @@ __device__ __forceinline__ void topk_body(const float* __restrict__ scores, Part
         uint32_t ck[kCandPerThread];
 #pragma unroll
         for (int m = 0; m < kCandPerThread; ++m) {
-            const unsigned q = (unsigned)(m * NT + tid);
+            const unsigned q = (unsigned)(m * kTopkThreads + tid);
             ck[m] = q < ncand ? s_cand[q] : 0u;
         }
         for (; bit >= 0; --bit) {
@@ -398,7 +396,7 @@ __device__ __forceinline__ void topk_body(const float* __restrict__ scores, Part
             unsigned cnt = 0;
 #pragma unroll
             for (int m = 0; m < kCandPerThread; ++m) cnt += ck[m] >= c;
-            if (above + block_count<NW>(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+            if (above + block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
         }
     } else {  // many equal prefixes (e.g. ties): keep counting every key
         for (; bit >= 0; --bit) {
@@ -406,7 +404,7 @@ __device__ __forceinline__ void topk_body(const float* __restrict__ scores, Part
             unsigned cnt = 0;
 #pragma unroll
             for (int j = 0; j < KPT; ++j) cnt += key[j] >= c;
-            if (block_count<NW>(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+            if (block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
         }
     }
     // T is the K-th largest key: take every key > T and the first K - count(> T) keys == T in index order
@@ -421,7 +419,7 @@ __device__ __forceinline__ void topk_body(const float* __restrict__ scores, Part
     __syncthreads();
     unsigned gt_before = __reduce_add_sync(0xffffffffu, lane < wid ? wgt[lane] : 0u);
     unsigned eq_before = __reduce_add_sync(0xffffffffu, lane < wid ? weq[lane] : 0u);
-    const unsigned gt_all = __reduce_add_sync(0xffffffffu, lane < NW ? wgt[lane] : 0u);
+    const unsigned gt_all = __reduce_add_sync(0xffffffffu, wgt[lane]);
     const unsigned remaining = (unsigned)K - gt_all;
     const unsigned lt = (1u << lane) - 1u;
 #pragma unroll
@@ -437,17 +435,6 @@ __device__ __forceinline__ void topk_body(const float* __restrict__ scores, Part
     }
 }
 
-template <int KPT, int NT>
-__global__ void __launch_bounds__(NT) topk_kernel(const float* __restrict__ scores, Part p0, Part p1, int nmax) {
-    topk_body<KPT, NT>(scores, p0, p1, nmax);
-}
-// Two CTAs' worth of registers per SM (<= 64 per thread): the top-k leaves half the SM to the layer's kernels.
-template <int KPT>
-__global__ void __launch_bounds__(512, 2) topk_half_kernel(const float* __restrict__ scores, Part p0, Part p1,
-                                                           int nmax) {
-    topk_body<KPT, 512>(scores, p0, p1, nmax);
-}
-
 // keys per thread of topk_kernel for n keys; 0 when n needs topk_r8_kernel
 inline int topk_kpt(int n) {
     const int need = cdiv(n, kTopkThreads);
@@ -455,11 +442,6 @@ inline int topk_kpt(int n) {
     if (need <= 12) return 12;
     if (need <= 24) return 24;
     return need <= kTopkMaxKpt ? kTopkMaxKpt : 0;
-}
-// DJV_TOPK_THREADS=512: the top-k CTA holds half an SM (twice the keys per thread), for A/B runs.
-inline int topk_threads() {
-    static const int v = env_int("DJV_TOPK_THREADS", 512, 1024, 1024) == 512 ? 512 : 1024;
-    return v;
 }
 
 // DJV_TOPK_R8=1: the v1 top-k (8-bit digits, four passes over every key), for A/B measurements.
@@ -531,20 +513,11 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
         topk_r8_kernel<<<2, kTopkThreads, ksm, st>>>(sc, p0, p1, p.nmax, p.keys_smem ? 1 : 0);
         return (int)cudaGetLastError();
     }
-    if (topk_threads() == 512) {
-        switch (kpt) {  // twice the keys per thread
-        case 4: topk_half_kernel<8><<<2, 512, 0, st>>>(sc, p0, p1, p.nmax); break;
-        case 12: topk_half_kernel<24><<<2, 512, 0, st>>>(sc, p0, p1, p.nmax); break;
-        case 24: topk_half_kernel<48><<<2, 512, 0, st>>>(sc, p0, p1, p.nmax); break;
-        default: topk_half_kernel<2 * kTopkMaxKpt><<<2, 512, 0, st>>>(sc, p0, p1, p.nmax); break;
-        }
-        return (int)cudaGetLastError();
-    }
     switch (kpt) {
-    case 4: topk_kernel<4, kTopkThreads><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    case 12: topk_kernel<12, kTopkThreads><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    case 24: topk_kernel<24, kTopkThreads><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    default: topk_kernel<kTopkMaxKpt, kTopkThreads><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 4: topk_kernel<4><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 12: topk_kernel<12><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 24: topk_kernel<24><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    default: topk_kernel<kTopkMaxKpt><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
     }
     return (int)cudaGetLastError();
 }
