@@ -13,7 +13,8 @@
 # mlp_norm fold A/B), sweep (bench_e2e --sweep: B=1 step time from ~0 to 100% kept, and the fitted fixed
 # cost per step), smollm2 (bench_e2e --engine on the package carried under engines/), profile (bench_e2e
 # --profile-step), profile-floor (the same with one neuron and one head kept, with and without PDL), ncu
-# (Nsight Compute counters of one attention and one MLP call, benchmarks/probes/ncu_ops.py). A/B steps with
+# (Nsight Compute counters of one attention and one MLP call, benchmarks/probes/ncu_ops.py), ncu-pred (the same
+# for one predictor call, with DJV_TOPK_HIST=0 and =1, benchmarks/probes/ncu_pred.py). A/B steps with
 # environment settings (comma-separated): e2e-core:ENV=VAL,..., tests:ENV=VAL,... (the attention, chain and
 # executor GPU tests), attn:ENV=VAL,... (bench_kernels --quick --only attn: OPT-13B attention at batch 1/4/16),
 # e2e:ENV=VAL,... (the whole e2e step), mlp:ENV=VAL,... (the mlp step), pred:ENV=VAL,... (the predictor
@@ -106,6 +107,16 @@ for step in "$@"; do
             $PY benchmarks/probes/ncu_ops.py
         grep -E '^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|Stall Long|One or More|No Eligible' \
             "$LOGS/ncu.log" | cut -c1-140 ;;
+    ncu-pred)  # Nsight Compute counters of one predictor call's three kernels, bisection and histogram top-k
+        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        for hist in 0 1; do
+            run ncu-pred-hist$hist DJV_TOPK_HIST=$hist -- "$NCU" --clock-control none \
+                -k "regex:u_kernel|scores_kernel|topk_kernel" --launch-skip 9 --launch-count 3 \
+                --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+                --section SchedulerStats --section InstructionStats $PY benchmarks/probes/ncu_pred.py
+            grep -E '^  [a-z_]+.*\(|Duration|Registers Per|Stall|Executed Instructions  |Issue Slots Busy|No Eligible' \
+                "$LOGS/ncu-pred-hist$hist.log" | cut -c1-140
+        done ;;
     sweep)  # B=1 step time from ~0 to 100% kept (with and without predictor / side stream) and the fitted fixed cost
         run sweep -- $PY benchmarks/bench_e2e.py --sweep --json-out "$LOGS/sweep.json"
         grep -E '"sweep fit' "$LOGS/sweep.log" | cut -c1-220 ;;

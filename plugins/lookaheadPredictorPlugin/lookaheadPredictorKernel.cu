@@ -7,9 +7,11 @@
 //  2. scores_kernel: s[n] = max_b (u[b] @ bm)[n] (fp32). CTA = 16*VEC columns, 16 row slices; u sits in
 //     shared memory, every thread streams its rows of bm with 16-byte loads.
 //  3. topk_kernel: one CTA of 1024 threads per part, the order-preserving keys of all scores in registers
-//     (warp-contiguous index ranges). The K-th largest key is found by bisection on its bits, one block-wide
-//     count per bit; after the top 12 bits only the keys sharing that prefix are counted (a shared candidate
-//     list). Then a compaction in index order (ballots), so indices come out ascending and ties at the
+//     (warp-contiguous index ranges). The K-th largest key is found from one histogram of the scores over
+//     their [min, max] range (1024 equal-width bins): the bin holding it, then a rank selection among that
+//     bin's keys. Where that does not settle it (non-finite scores, over 256 keys in the bin), by bisection
+//     on the key bits, one block-wide count per bit; after the top 12 bits only the keys sharing that prefix
+//     are counted (a shared candidate list). Then a compaction in index order (ballots), so indices come out ascending and ties at the
 //     threshold go to the lowest indices (the ONNX TopK rule). No host sync. topk_r8_kernel (8-bit radix
 //     select over shared memory) serves n > 32768 and DJV_TOPK_R8=1 A/B runs.
 #include <math.h>
@@ -333,10 +335,24 @@ __device__ __forceinline__ unsigned block_count(unsigned c, unsigned* s_cnt, int
     return t;
 }
 
-template <int KPT>
+__device__ __forceinline__ float key_float(uint32_t k) {  // inverse of order_key
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+// HIST (the default; DJV_TOPK_HIST=0 for the bisection alone): before the bisection, one histogram of the keys' float values over [min, max] in
+// kHistBins equal-width bins (bin(v) is non-decreasing in v, so every key of a higher bin is larger than
+// every key of a lower one), a suffix scan that names the bin holding the K-th largest key, and an exact
+// rank selection among that bin's keys (for continuous scores a few dozen). About eight barriers instead of
+// 34. Non-finite scores, a zero or overflowing range, or more than kRankMax keys in that bin fall back to the
+// bisection below, unchanged.
+constexpr int kHistBins = 1024;  // one bin per thread in the scan
+constexpr int kRankMax = 256;    // rank selection is O(candidates) per thread
+
+template <int KPT, bool HIST>
 __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restrict__ scores, Part p0, Part p1,
                                                             int nmax) {
     static_assert(kTopkThreads == 1024, "one count slot per warp, 32 warps");
+    static_assert(kHistBins == kTopkThreads, "the suffix scan gives each thread one bin");
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
     __shared__ unsigned s_cnt[64];
@@ -356,57 +372,135 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
     int parity = 0;
     uint32_t T = 0;
     int bit = 31;
-    for (; bit >= 32 - kFilterBits; --bit) {
-        const uint32_t c = T | (1u << bit);
-        unsigned cnt = 0;
+    bool found = false;
+    if (HIST) {
+        __shared__ unsigned s_hist[kHistBins], s_wmax[32], s_wmin[32], s_sel[3], s_hn;
+        __shared__ uint32_t s_T;
+        s_hist[tid] = 0u;
+        if (tid == 0) s_hn = 0u;
+        uint32_t mx = 0u, mn = 0xFFFFFFFFu;
 #pragma unroll
-        for (int j = 0; j < KPT; ++j) cnt += key[j] >= c;
-        if (block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+        for (int j = 0; j < KPT; ++j)
+            if (wb + j * 32 + lane < n) { mx = max(mx, key[j]); mn = min(mn, key[j]); }
+        mx = __reduce_max_sync(0xffffffffu, mx);
+        mn = __reduce_min_sync(0xffffffffu, mn);
+        if (lane == 0) { s_wmax[wid] = mx; s_wmin[wid] = mn; }
+        __syncthreads();  // also orders the zeroed bins before the counts
+        mx = __reduce_max_sync(0xffffffffu, s_wmax[lane]);
+        mn = __reduce_min_sync(0xffffffffu, s_wmin[lane]);
+        const float fmin = key_float(mn), range = __fsub_rn(key_float(mx), fmin);
+        // keys of +inf are 0xFF800000 (NaN above), of -inf 0x007FFFFF (NaN below): all uniform in the CTA
+        if (mx < 0xFF800000u && mn > 0x007FFFFFu && range >= 1e-30f && range <= 3.0e38f) {
+            const float scale = (float)kHistBins / range;
+            auto bin_of = [&](uint32_t k) {
+                return min((int)__fmul_rn(__fsub_rn(key_float(k), fmin), scale), kHistBins - 1);
+            };
+#pragma unroll
+            for (int j = 0; j < KPT; ++j)
+                if (wb + j * 32 + lane < n) atomicAdd(&s_hist[bin_of(key[j])], 1u);
+            __syncthreads();
+            // thread t holds bin kHistBins-1-t: an inclusive scan over threads counts the keys in bins >= it
+            const unsigned h = s_hist[kHistBins - 1 - tid];
+            unsigned incl = h;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
+            }
+            if (lane == 31) s_cnt[wid] = incl;
+            __syncthreads();
+            incl += __reduce_add_sync(0xffffffffu, lane < wid ? s_cnt[lane] : 0u);
+            if (incl >= (unsigned)K && incl - h < (unsigned)K) {  // exactly one thread: the K-th key's bin
+                s_sel[0] = (unsigned)(kHistBins - 1 - tid);
+                s_sel[1] = incl - h;  // keys in higher bins: all selected
+                s_sel[2] = h;
+            }
+            __syncthreads();
+            const int bsel = (int)s_sel[0];
+            const unsigned above = s_sel[1], ncand = s_sel[2];
+            if (ncand <= (unsigned)kRankMax) {
+#pragma unroll
+                for (int j = 0; j < KPT; ++j) {
+                    const bool c = wb + j * 32 + lane < n && bin_of(key[j]) == bsel;
+                    const unsigned bal = __ballot_sync(0xffffffffu, c);
+                    unsigned base = 0;
+                    if (lane == 0 && bal) base = atomicAdd(&s_hn, (unsigned)__popc(bal));
+                    base = __shfl_sync(0xffffffffu, base, 0);
+                    if (c) s_cand[base + __popc(bal & ((1u << lane) - 1u))] = key[j];
+                }
+                __syncthreads();
+                // T is the R-th largest candidate: the candidate with fewer than R larger and at least R
+                // larger-or-equal (equal candidates write the same value)
+                const unsigned R = (unsigned)K - above;
+                if (tid < (int)ncand) {
+                    const uint32_t c = s_cand[tid];
+                    unsigned gt = 0, ge = 0;
+                    for (unsigned q = 0; q < ncand; ++q) {
+                        const uint32_t v = s_cand[q];
+                        gt += v > c;
+                        ge += v >= c;
+                    }
+                    if (gt < R && ge >= R) s_T = c;
+                }
+                __syncthreads();
+                T = s_T;
+                found = true;
+            }
+        }
     }
-    // keys above T's prefix, and the candidates that share it
-    const uint32_t pre = T >> (32 - kFilterBits);
-    unsigned above = 0, ncand = 0;
-#pragma unroll
-    for (int j = 0; j < KPT; ++j) {
-        const uint32_t kp = key[j] >> (32 - kFilterBits);
-        above += kp > pre;                   // padding (key 0) has prefix 0: never above
-        ncand += kp == pre && key[j] != 0u;  // ... but shares a prefix of 0
-    }
-    above = block_count(above, s_cnt, parity);
-    ncand = block_count(ncand, s_cnt, parity);
-    if (ncand <= (unsigned)(kCandPerThread * kTopkThreads)) {
-#pragma unroll
-        for (int j = 0; j < KPT; ++j) {
-            const bool c = key[j] != 0u && (key[j] >> (32 - kFilterBits)) == pre;
-            const unsigned bal = __ballot_sync(0xffffffffu, c);
-            unsigned base = 0;
-            if (lane == 0 && bal) base = atomicAdd(&s_ncand, (unsigned)__popc(bal));
-            base = __shfl_sync(0xffffffffu, base, 0);
-            if (c) s_cand[base + __popc(bal & ((1u << lane) - 1u))] = key[j];
-        }
-        __syncthreads();
-        uint32_t ck[kCandPerThread];
-#pragma unroll
-        for (int m = 0; m < kCandPerThread; ++m) {
-            const unsigned q = (unsigned)(m * kTopkThreads + tid);
-            ck[m] = q < ncand ? s_cand[q] : 0u;
-        }
-        for (; bit >= 0; --bit) {
-            const uint32_t c = T | (1u << bit);
-            unsigned cnt = 0;
-#pragma unroll
-            for (int m = 0; m < kCandPerThread; ++m) cnt += ck[m] >= c;
-            if (above + block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
-        }
-    } else {  // many equal prefixes (e.g. ties): keep counting every key
-        for (; bit >= 0; --bit) {
+    if (!found) {
+        for (; bit >= 32 - kFilterBits; --bit) {
             const uint32_t c = T | (1u << bit);
             unsigned cnt = 0;
 #pragma unroll
             for (int j = 0; j < KPT; ++j) cnt += key[j] >= c;
             if (block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
         }
-    }
+        // keys above T's prefix, and the candidates that share it
+        const uint32_t pre = T >> (32 - kFilterBits);
+        unsigned above = 0, ncand = 0;
+#pragma unroll
+        for (int j = 0; j < KPT; ++j) {
+            const uint32_t kp = key[j] >> (32 - kFilterBits);
+            above += kp > pre;                   // padding (key 0) has prefix 0: never above
+            ncand += kp == pre && key[j] != 0u;  // ... but shares a prefix of 0
+        }
+        above = block_count(above, s_cnt, parity);
+        ncand = block_count(ncand, s_cnt, parity);
+        if (ncand <= (unsigned)(kCandPerThread * kTopkThreads)) {
+#pragma unroll
+            for (int j = 0; j < KPT; ++j) {
+                const bool c = key[j] != 0u && (key[j] >> (32 - kFilterBits)) == pre;
+                const unsigned bal = __ballot_sync(0xffffffffu, c);
+                unsigned base = 0;
+                if (lane == 0 && bal) base = atomicAdd(&s_ncand, (unsigned)__popc(bal));
+                base = __shfl_sync(0xffffffffu, base, 0);
+                if (c) s_cand[base + __popc(bal & ((1u << lane) - 1u))] = key[j];
+            }
+            __syncthreads();
+            uint32_t ck[kCandPerThread];
+#pragma unroll
+            for (int m = 0; m < kCandPerThread; ++m) {
+                const unsigned q = (unsigned)(m * kTopkThreads + tid);
+                ck[m] = q < ncand ? s_cand[q] : 0u;
+            }
+            for (; bit >= 0; --bit) {
+                const uint32_t c = T | (1u << bit);
+                unsigned cnt = 0;
+#pragma unroll
+                for (int m = 0; m < kCandPerThread; ++m) cnt += ck[m] >= c;
+                if (above + block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+            }
+        } else {  // many equal prefixes (e.g. ties): keep counting every key
+            for (; bit >= 0; --bit) {
+                const uint32_t c = T | (1u << bit);
+                unsigned cnt = 0;
+#pragma unroll
+                for (int j = 0; j < KPT; ++j) cnt += key[j] >= c;
+                if (block_count(cnt, s_cnt, parity) >= (unsigned)K) T = c;
+            }
+        }
+    }  // !found
     // T is the K-th largest key: take every key > T and the first K - count(> T) keys == T in index order
     unsigned gtc = 0, eqc = 0;
 #pragma unroll
@@ -450,6 +544,19 @@ inline bool topk_r8() {
     return on;
 }
 
+// topk_kernel's histogram pass before the bisection; DJV_TOPK_HIST=0 turns it off (A/B measurements).
+inline bool topk_hist() {
+    static const bool on = !(getenv("DJV_TOPK_HIST") != nullptr && getenv("DJV_TOPK_HIST")[0] == '0');
+    return on;
+}
+
+// DJV_PRED_KS=N: u_kernel's splits of d (default: about two CTAs per SM; at least d / 256), for A/B runs of
+// how much of the GPU the side stream's first kernel takes from the layer it overlaps.
+inline int pred_ks_override() {
+    static const int v = getenv("DJV_PRED_KS") ? atoi(getenv("DJV_PRED_KS")) : 0;
+    return v;
+}
+
 struct PredPlan {
     int rmax, nmax, ncg, KS, vec_a, vec_b, nb;
     bool keys_smem;  // topk_r8_kernel keeps the keys in shared memory
@@ -464,7 +571,7 @@ PredPlan plan_pred(int B, int d, int r_m, int Nb, int r_h, int H) {
     p.nmax = Nb > H ? Nb : H;
     p.ncg = cdiv(p.rmax, kCG);
     const int groups = cdiv(r_m, kCG) + (r_h > 0 ? cdiv(r_h, kCG) : 0);
-    int ks = cdiv(2 * sm_count(), groups);  // ~2 CTAs per SM
+    int ks = pred_ks_override() > 0 ? pred_ks_override() : cdiv(2 * sm_count(), groups);  // ~2 CTAs per SM
     ks = ks > 64 ? 64 : ks;
     const int need = cdiv(d, kMaxChunk);
     p.KS = ks < need ? need : ks;
@@ -513,11 +620,20 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
         topk_r8_kernel<<<2, kTopkThreads, ksm, st>>>(sc, p0, p1, p.nmax, p.keys_smem ? 1 : 0);
         return (int)cudaGetLastError();
     }
+    if (topk_hist()) {
+        switch (kpt) {
+        case 4: topk_kernel<4, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        case 12: topk_kernel<12, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        case 24: topk_kernel<24, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        default: topk_kernel<kTopkMaxKpt, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        }
+        return (int)cudaGetLastError();
+    }
     switch (kpt) {
-    case 4: topk_kernel<4><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    case 12: topk_kernel<12><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    case 24: topk_kernel<24><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    default: topk_kernel<kTopkMaxKpt><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 4: topk_kernel<4, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 12: topk_kernel<12, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 24: topk_kernel<24, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    default: topk_kernel<kTopkMaxKpt, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
     }
     return (int)cudaGetLastError();
 }

@@ -360,6 +360,45 @@ def test_predictor_many_ties_exact(Nb, K):
     assert torch.equal(mi, ref.topk_sorted(scores, K))
 
 
+def _shaped_scores_case(dist, Nb, gen):
+    """Column multipliers c with a chosen distribution: with bm[:, i] = col * c[i] every score is about
+    (u . col) * c[i], so the top-k sees scores shaped like c (up to sign and fp16 rounding)."""
+    z = torch.randn(Nb, generator=gen)
+    if dist == "normal":
+        c = z
+    elif dist == "outlier":       # one score far out: the others crowd into a few equal-width bins
+        c = z.clone()
+        c[7] = 3000.0
+    elif dist == "lognormal":     # heavy right tail
+        c = torch.exp(2.0 * z)
+    elif dist == "clusters":      # three tight clusters far apart
+        c = 0.01 * z + torch.tensor([-5.0, 0.0, 5.0])[torch.randint(0, 3, (Nb,), generator=gen)]
+    elif dist == "narrow":        # a range of a few fp16 steps: many equal scores
+        c = 1.0 + 2e-3 * z
+    else:
+        raise ValueError(dist)
+    return c
+
+
+@pytest.mark.parametrize("dist", ["normal", "outlier", "lognormal", "clusters", "narrow"])
+@pytest.mark.parametrize("Nb,K", [(20480, 5120), (20480, 1), (20480, 20479), (28672, 5734), (1000, 37)])
+def test_predictor_topk_score_shapes(dist, Nb, K):
+    """The exact selection rule under score distributions that stress a value-range histogram (one
+    outlier, heavy tails, far-apart clusters, near-constant scores) as well as plain bisection."""
+    gen = torch.Generator().manual_seed(torch.randint(0, 2**31, (1,)).item())  # fresh, reproducible on failure
+    B, d, r = 1, 256, 16
+    h = rand(B, d, dtype=torch.float16)
+    a = rand(d, r, dtype=torch.float16, scale=d ** -0.5)
+    col = rand(r, 1, dtype=torch.float16, scale=r ** -0.5)
+    c = _shaped_scores_case(dist, Nb, gen).to("cuda")
+    b = (col.float() * c[None, :]).to(torch.float16).contiguous()
+    scores = torch.full((Nb,), float("nan"), device="cuda")
+    mi = torch.full((K,), -7, device="cuda", dtype=torch.int32)
+    kernels.predictor(h, a, b, kept_units=K, out=(mi, None), mlp_scores=scores)
+    assert torch.isfinite(scores).all()
+    assert torch.equal(mi, ref.topk_sorted(scores, K)), f"seed {gen.initial_seed()}"
+
+
 # -------------------------------------------------------------------------------------- norm
 NORM_CASES = [(1, 8), (1, 5120), (3, 200), (16, 576), (33, 8200), (2, 16384), (5, 4096)]  # rows, d
 
