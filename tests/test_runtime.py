@@ -197,6 +197,25 @@ def test_metrics_are_recorded(llama_pkg):
     assert predictor_recall(x, worst, lw, "silu_glu", 1) == 0.0
 
 
+def test_fold_norms_defaults_by_batch(monkeypatch):
+    """Batch 1 keeps its norms as kernels, batch 2-4 folds mlp_norm, above 4 nothing folds; an explicit
+    setting wins where folding applies; dense decoding and backends that cannot fold never fold."""
+    from types import SimpleNamespace
+
+    from dejavu_trt.runtime.executor import resolve_fold_norms
+    monkeypatch.delenv("DEJAVU_FOLD_NORMS", raising=False)
+    can, cannot = SimpleNamespace(folds_norms=True), SimpleNamespace()
+    got = {b: resolve_fold_norms(None, can, dense=False, batch=b) for b in (1, 2, 4, 5, 16)}
+    assert got == {1: (), 2: ("mlp",), 4: ("mlp",), 5: (), 16: ()}
+    monkeypatch.setenv("DEJAVU_FOLD_NORMS", "mlp")
+    assert resolve_fold_norms(None, can, dense=False, batch=1) == ("mlp",)
+    monkeypatch.setenv("DEJAVU_FOLD_NORMS", "all")
+    assert resolve_fold_norms(None, can, dense=False, batch=3) == ("attn", "mlp")
+    assert resolve_fold_norms(None, can, dense=True, batch=3) == ()
+    assert resolve_fold_norms(None, cannot, dense=False, batch=3) == ()
+    assert resolve_fold_norms(True, can, dense=False, batch=1) == ("attn", "mlp")
+
+
 def test_costs():
     from dejavu_trt.models.adapters import ModelDims
     from dejavu_trt.runtime.costs import cost_forecast, expected_speedup, step_bytes

@@ -47,12 +47,14 @@ FOLDS = {"none": (), "0": (), "mlp": ("mlp",), "attn": ("attn",), "all": ("attn"
 def resolve_fold_norms(fold_norms, ops, *, dense: bool, batch: int) -> tuple:
     """Which norms the sparse decode folds into the op after them (benchmarks/RESULTS.md, session 7).
 
-    None: $DEJAVU_FOLD_NORMS (none | mlp | attn | all), default "mlp"; True / False: all / none. Only where the
-    op backend can (the kernels) and at batch <= 4, where the partial-sum reductions write the statistics
-    (above it a separate read-back kernel would, measured slower). Folding attn_norm too measured slower
-    (the attention's first kernel carries the predictor's join), so it is not the default."""
+    None: $DEJAVU_FOLD_NORMS (none | mlp | attn | all), default "mlp" at batch 2-4 and "none" at batch 1;
+    True / False: all / none. Only where the op backend can (the kernels) and at batch <= 4, where the
+    partial-sum reductions write the statistics (above it a separate read-back kernel would, measured slower).
+    Folding attn_norm too measured slower (the attention's first kernel carries the predictor's join). At
+    batch 1 folding mlp_norm was 2% faster until the QKV kernel ran three CTAs per SM there; with that it is
+    1% slower (session 12: 2.867 against 2.838 ms per token), so batch 1 keeps its norms as kernels."""
     if fold_norms is None:
-        key = os.environ.get("DEJAVU_FOLD_NORMS", "mlp")
+        key = os.environ.get("DEJAVU_FOLD_NORMS", "mlp" if batch > 1 else "none")
         if key not in FOLDS:
             raise DejaVuError(f"DEJAVU_FOLD_NORMS={key!r}: use one of {', '.join(FOLDS)}")
         fold_norms = FOLDS[key]

@@ -116,13 +116,14 @@ __global__ void __launch_bounds__(kProjThreads) qkv_proj_kernel(
 }
 
 // CTAs of kSkThreads per SM the batch <= 4 QKV kernel is built for: 3 (6 loads in flight per lane, <= 85
-// registers) at batch 2-4, 2 (8 loads) at batch 1. More resident warps hide each warp's dot-product phase
-// between its load batches. Measured on the H200 (benchmarks/RESULTS.md, session 8): 3 at batch 4 is 4.7%
-// faster end to end; at batch 1 it is faster alone but not end to end with the rest of the step's kernels
-// beside it (4 CTAs was slower at every batch and is not built). DJV_QKV_OCC=2|3 overrides both, for A/B.
-inline int qkv_occupancy(int B) {
+// registers) rather than 2 (8 loads). More resident warps hide each warp's dot-product phase between its
+// load batches. Measured on the H200 (benchmarks/RESULTS.md): at batch 4 3 is 4.7% faster end to end
+// (session 8); at batch 1 it was faster alone but not end to end until the predictor's top-k got shorter
+// (session 12: 2.838 against 2.927 ms per token). 4 CTAs was slower at every batch and is not built.
+// DJV_QKV_OCC=2|3 overrides it, for A/B runs.
+inline int qkv_occupancy(int /*B*/) {
     static const int env = env_int("DJV_QKV_OCC", 2, 3, 0);
-    return env ? env : (B == 1 ? 2 : 3);
+    return env ? env : 3;
 }
 __host__ __device__ constexpr int qkv_rows_u(int occ) { return occ == 3 ? 6 : 8; }
 

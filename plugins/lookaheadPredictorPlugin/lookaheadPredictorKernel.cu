@@ -550,13 +550,6 @@ inline bool topk_hist() {
     return on;
 }
 
-// DJV_PRED_KS=N: u_kernel's splits of d (default: about two CTAs per SM; at least d / 256), for A/B runs of
-// how much of the GPU the side stream's first kernel takes from the layer it overlaps.
-inline int pred_ks_override() {
-    static const int v = getenv("DJV_PRED_KS") ? atoi(getenv("DJV_PRED_KS")) : 0;
-    return v;
-}
-
 struct PredPlan {
     int rmax, nmax, ncg, KS, vec_a, vec_b, nb;
     bool keys_smem;  // topk_r8_kernel keeps the keys in shared memory
@@ -571,7 +564,7 @@ PredPlan plan_pred(int B, int d, int r_m, int Nb, int r_h, int H) {
     p.nmax = Nb > H ? Nb : H;
     p.ncg = cdiv(p.rmax, kCG);
     const int groups = cdiv(r_m, kCG) + (r_h > 0 ? cdiv(r_h, kCG) : 0);
-    int ks = pred_ks_override() > 0 ? pred_ks_override() : cdiv(2 * sm_count(), groups);  // ~2 CTAs per SM
+    int ks = cdiv(2 * sm_count(), groups);  // ~2 CTAs per SM
     ks = ks > 64 ? 64 : ks;
     const int need = cdiv(d, kMaxChunk);
     p.KS = ks < need ? need : ks;
