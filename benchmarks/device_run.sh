@@ -20,6 +20,7 @@
 # e2e:ENV=VAL,... (the whole e2e step), mlp:ENV=VAL,... (the mlp step), pred:ENV=VAL,... (the predictor
 # kernel benchmark), tests-mlp:ENV=VAL,... / tests-pred:ENV=VAL,... (the MLP / predictor, chain and
 # executor GPU tests). pred: the predictor kernel benchmark alone. sync-cost: a grid barrier against a kernel boundary (probes/sync_cost.cu).
+# partial-sums: the partial-sum reduction kernel against fp32 atomics into the norm's input (probes/partial_sums.cu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -131,6 +132,9 @@ for step in "$@"; do
     sync-cost)  # one grid barrier vs one kernel boundary (PDL / plain) in a CUDA graph (probes/sync_cost.cu)
         nvcc -O3 -gencode=arch=compute_90,code=sm_90 benchmarks/probes/sync_cost.cu -o "$OUT/sync_cost" &&
             run sync-cost -- "$OUT/sync_cost" && cat "$LOGS/sync-cost.log"; rm -f "$OUT/sync_cost" ;;
+    partial-sums)  # the partial-sum hand-off to the norm: reduction kernel vs fp32 atomics (probes/partial_sums.cu)
+        nvcc -O3 -gencode=arch=compute_90,code=sm_90 benchmarks/probes/partial_sums.cu -o "$OUT/partial_sums" &&
+            run partial-sums -- "$OUT/partial_sums" && cat "$LOGS/partial-sums.log"; rm -f "$OUT/partial_sums" ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
