@@ -34,9 +34,17 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def random_opt(layers: int, device="cuda"):
+def opt_shape(hidden: int) -> dict:
+    """OPT-13B's config with another hidden size: ffn 4d and head_dim 128, as across the OPT family."""
+    if hidden % 128:
+        raise SystemExit(f"bench_e2e: --hidden {hidden} is not a multiple of 128 (head_dim 128)")
+    return {**OPT13B, "hidden_size": hidden, "word_embed_proj_dim": hidden, "ffn_dim": 4 * hidden,
+            "num_attention_heads": hidden // 128}
+
+
+def random_opt(layers: int, device="cuda", hidden: int = OPT13B["hidden_size"]):
     from transformers import OPTConfig, OPTForCausalLM
-    cfg = OPTConfig(**{**OPT13B, "num_hidden_layers": layers})
+    cfg = OPTConfig(**{**opt_shape(hidden), "num_hidden_layers": layers})
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float16)
@@ -173,8 +181,10 @@ def bench_opt13b(args) -> list[dict]:
     copy_bw = copy_bandwidth_gbs("cuda")
     log(f"device {torch.cuda.get_device_name()}, copy bandwidth (read+write) {copy_bw:.0f} GB/s")
     t0 = time.perf_counter()
-    model = random_opt(args.layers)
-    log(f"random OPT-13B-shape model ({args.layers} layers) on GPU in {time.perf_counter() - t0:.1f}s")
+    model = random_opt(args.layers, hidden=args.hidden)
+    shape = "OPT-13B" if args.hidden == OPT13B["hidden_size"] else f"OPT d={args.hidden}"
+    log(f"random {shape}-shape model ({args.layers} layers, d={args.hidden}, ffn={4 * args.hidden}, "
+        f"{args.hidden // 128} heads) on GPU in {time.perf_counter() - t0:.1f}s")
     rows = []
     kw = dict(steps=args.steps, warmup=args.warmup, prompt_len=args.prompt_len)
     T = args.prompt_len + args.warmup + args.steps + 4
@@ -187,7 +197,7 @@ def bench_opt13b(args) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - record and keep going: one failing config must not lose the rest
             log(f"{name}: FAILED {e.__class__.__name__}: {str(e)[:300]}")
             return
-        rows.append(row(name, r, copy_bw))
+        rows.append({**row(name, r, copy_bw), "hidden": args.hidden})
         log(json.dumps(rows[-1]))
         torch.cuda.empty_cache()
 
@@ -349,6 +359,8 @@ def main(argv=None):
     p.add_argument("--opt13b", action="store_true", help="run (b), the OPT-13B-shape speed benchmark")
     p.add_argument("--engine", help="run (a) on this engine package")
     p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--hidden", type=int, default=OPT13B["hidden_size"],
+                   help="with --opt13b: another hidden size d (ffn 4d, d/128 heads), e.g. for the fold A/B across shapes")
     p.add_argument("--ops", default="auto", help="sparse op backend: auto, kernels, torch")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--warmup", type=int, default=8)

@@ -20,6 +20,7 @@
 # e2e:ENV=VAL,... (the whole e2e step), mlp:ENV=VAL,... (the mlp step), pred:ENV=VAL,... (the predictor
 # kernel benchmark), tests-mlp:ENV=VAL,... / tests-pred:ENV=VAL,... (the MLP / predictor, chain and
 # executor GPU tests). pred: the predictor kernel benchmark alone. sync-cost: a grid barrier against a kernel boundary (probes/sync_cost.cu).
+# fold-shapes: batch 1's mlp_norm fold A/B at OPT shapes of other hidden sizes (FOLD_DS="1024 2048 ...").
 # partial-sums: the partial-sum reduction kernel against fp32 atomics into the norm's input (probes/partial_sums.cu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,6 +136,10 @@ for step in "$@"; do
     partial-sums)  # the partial-sum hand-off to the norm: reduction kernel vs fp32 atomics (probes/partial_sums.cu)
         nvcc -O3 -gencode=arch=compute_90,code=sm_90 benchmarks/probes/partial_sums.cu -o "$OUT/partial_sums" &&
             run partial-sums -- "$OUT/partial_sums" && cat "$LOGS/partial-sums.log"; rm -f "$OUT/partial_sums" ;;
+    fold-shapes)  # batch 1's mlp_norm fold A/B (bench_e2e --core) at OPT shapes of d = $FOLD_DS (default 1024..4096)
+        for d in ${FOLD_DS:-1024 2048 3072 4096}; do
+            run fold-d$d -- $PY benchmarks/bench_e2e.py --opt13b --core --batches 1 --hidden $d --json-out "$LOGS/fold-d$d.json"
+        done ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
