@@ -316,7 +316,7 @@ def profile_step(args) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     from dejavu_trt.runtime.executor import Executor
-    model = random_opt(args.layers)
+    model = random_opt(args.layers, hidden=args.hidden)
     steps = 4
     T = args.prompt_len + 2 * steps + 8
     w = weights_from_hf(model, *args.profile_kept, max_context=T, kv_policy="active")
