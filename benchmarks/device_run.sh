@@ -20,7 +20,8 @@
 # e2e:ENV=VAL,... (the whole e2e step), mlp:ENV=VAL,... (the mlp step), pred:ENV=VAL,... (the predictor
 # kernel benchmark), tests-mlp:ENV=VAL,... / tests-pred:ENV=VAL,... (the MLP / predictor, chain and
 # executor GPU tests). pred: the predictor kernel benchmark alone. sync-cost: a grid barrier against a kernel boundary (probes/sync_cost.cu).
-# fold-shapes: batch 1's mlp_norm fold A/B at OPT shapes of other hidden sizes (FOLD_DS="1024 2048 ...").
+# fold-shapes: batch 1's mlp_norm fold A/B at OPT shapes of other hidden sizes (FOLD_DS="1024 2048 ...",
+# FOLD_ENV=ENV=VAL for an A/B setting, e.g. DJV_MLP_PER_SM=2).
 # profile-fold: per-kernel times with mlp_norm folded and not, at FOLD_DS (PROFILE_ENV=DJV_NO_PDL=1 for own times).
 # partial-sums: the partial-sum reduction kernel against fp32 atomics into the norm's input (probes/partial_sums.cu).
 set -uo pipefail
@@ -139,7 +140,7 @@ for step in "$@"; do
             run partial-sums -- "$OUT/partial_sums" && cat "$LOGS/partial-sums.log"; rm -f "$OUT/partial_sums" ;;
     fold-shapes)  # batch 1's mlp_norm fold A/B (bench_e2e --core) at OPT shapes of d = $FOLD_DS (default 1024..4096)
         for d in ${FOLD_DS:-1024 2048 3072 4096}; do
-            run fold-d$d -- $PY benchmarks/bench_e2e.py --opt13b --core --batches 1 --hidden $d --json-out "$LOGS/fold-d$d.json"
+            run fold-d$d ${FOLD_ENV:-} -- $PY benchmarks/bench_e2e.py --opt13b --core --batches 1 --hidden $d --json-out "$LOGS/fold-d$d.json"
         done ;;
     profile-fold)  # per-kernel device times with mlp_norm folded and not, at d = $FOLD_DS (default 5120 4608)
         for d in ${FOLD_DS:-5120 4608}; do

@@ -78,6 +78,8 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     const int by_regs = 65536 / (p.threads * (bulk_min_ctas(rows_nb(B), p.vpt) == 2 ? 128 : 255));
     per_sm = per_sm < by_regs ? per_sm : by_regs;
     per_sm = per_sm < 1 ? 1 : (per_sm > 4 ? 4 : per_sm);
+    static const int per_sm_cap = env_int("DJV_MLP_PER_SM", 1, 4, 0);  // A/B runs only: fewer CTAs per SM
+    if (per_sm_cap && per_sm > per_sm_cap) per_sm = per_sm_cap;
     const size_t cap = (size_t)smem_optin() < kBulkSmPerSm / per_sm ? (size_t)smem_optin() : kBulkSmPerSm / per_sm;
     const int ctas = M < per_sm * sm_count() ? M : per_sm * sm_count();
     const size_t head = kBulkHeader + bulk_table_bytes(M / ctas + 1);
