@@ -213,6 +213,10 @@ def bench_opt13b(args) -> list[dict]:
             measure(other_name, w_active, dense=False, batch=b, ops=args.ops, fold_norms=other)
             measure("sparse 25%/20%, kv active", w_active, dense=False, batch=b, ops=args.ops)
             measure(other_name, w_active, dense=False, batch=b, ops=args.ops, fold_norms=other)
+            if b == 1:  # the same A/B without the predictor (fixed indices, one stream: the pure chain)
+                for fold in ((), ("mlp",)):
+                    measure("ablation: sparse kv active, fixed indices, one stream", w_active, dense=False, batch=1,
+                            ops=fixed_index_ops(), side_stream=False, fold_norms=fold)
     if args.core:
         return rows
     measure("ablation: sparse kv active, same stream", w_active, dense=False, batch=1, ops=args.ops, side_stream=False)
