@@ -96,6 +96,9 @@ def hf_eager_ms(model, batch: int, prompt_len: int, new_tokens: int) -> float:
 def row(name, r, copy_bw):
     if r.get("fold_norms"):
         name += f" [{'+'.join(r['fold_norms'])} norm folded]"
+    if r.get("fold_choice"):  # batch 1's timed choice (executor): what each candidate measured at capture
+        c = r["fold_choice"]
+        name += f" [auto: {c['chosen']}" + (f" {c['ms_per_step']}]" if "ms_per_step" in c else f", {c['reason']}]")
     return {"config": name, "batch": r["batch"], "ops": r["ops"], "side_stream": r["side_stream"],
             "cuda_graph": r["cuda_graph"], "fold_norms": r.get("fold_norms", False), "tbt_ms_p50": round(r["tbt_ms_p50"], 3), "tbt_ms_p99": round(r["tbt_ms_p99"], 3),
             "tbt_ms_mean": round(r["tbt_ms_mean"], 3), "tokens_per_s": round(r["tokens_per_s"], 1),
@@ -207,12 +210,13 @@ def bench_opt13b(args) -> list[dict]:
             measure("sparse 25%/20%, kv dense", w_dense_kv, dense=False, batch=b, ops=args.ops)
         measure("sparse 25%/20%, kv active", w_active, dense=False, batch=b, ops=args.ops)
         if args.core and args.ops != "torch":  # A/B of the norm folding against the default, alternating:
-            # batch 1 keeps its norms as kernels by default (so the other arm folds mlp_norm), batch 2-4 folds
-            other = ("mlp",) if b == 1 else ()
-            other_name = "sparse 25%/20%, kv active" + ("" if other else ", norms unfolded")
-            measure(other_name, w_active, dense=False, batch=b, ops=args.ops, fold_norms=other)
-            measure("sparse 25%/20%, kv active", w_active, dense=False, batch=b, ops=args.ops)
-            measure(other_name, w_active, dense=False, batch=b, ops=args.ops, fold_norms=other)
+            # batch 1 chooses by timing by default (so both pinned arms run), batch 2-4 folds mlp_norm
+            others = [(), ("mlp",)] if b == 1 else [()]
+            for _ in range(2):
+                for other in others:
+                    measure("sparse 25%/20%, kv active" + ("" if other else ", norms unfolded"), w_active,
+                            dense=False, batch=b, ops=args.ops, fold_norms=other)
+                measure("sparse 25%/20%, kv active", w_active, dense=False, batch=b, ops=args.ops)
             if b == 1:  # the same A/B without the predictor (fixed indices, one stream: the pure chain)
                 for fold in ((), ("mlp",)):
                     measure("ablation: sparse kv active, fixed indices, one stream", w_active, dense=False, batch=1,
@@ -221,24 +225,28 @@ def bench_opt13b(args) -> list[dict]:
         return rows
     measure("ablation: sparse kv active, same stream", w_active, dense=False, batch=1, ops=args.ops, side_stream=False)
     if args.ops != "torch":
-        # batch 1's default keeps the norms as kernels: the ablation folds mlp_norm (the row label says so)
-        measure("ablation: sparse kv active", w_active, dense=False, batch=1, ops=args.ops, fold_norms=("mlp",))
-        measure("ablation: sparse kv active, predictor stream at normal priority", w_active, dense=False, batch=1,
-                ops=args.ops, predictor_priority="normal")
-        measure("ablation: sparse kv active, predictor stream at normal priority", w_active, dense=False,
-                batch=1, ops=args.ops, fold_norms=("mlp",), predictor_priority="normal")
+        # batch 1's default chooses the fold by timing: the ablations pin both (the row labels say which)
+        for fold in ((), ("mlp",)):
+            measure("ablation: sparse kv active" + ("" if fold else ", norms unfolded"), w_active, dense=False,
+                    batch=1, ops=args.ops, fold_norms=fold)
+        for fold in ((), ("mlp",)):
+            measure("ablation: sparse kv active, predictor stream at normal priority", w_active, dense=False,
+                    batch=1, ops=args.ops, fold_norms=fold, predictor_priority="normal")
     if args.ops != "torch":
+        # pinned unfolded, like the rows of sessions 9-13 they are compared with
         measure("ablation: sparse kv active, fixed indices (no predictor)", w_active, dense=False, batch=1,
-                ops=fixed_index_ops())
+                ops=fixed_index_ops(), fold_norms=False)
         # no side stream either: the graph has no cross-stream edges at all (the pure kernel chain)
-        measure("ablation: sparse kv active, fixed indices, one stream", w_active, dense=False, batch=1,
-                ops=fixed_index_ops(), side_stream=False)
+        for fold in (False, ("mlp",)):
+            measure("ablation: sparse kv active, fixed indices, one stream", w_active, dense=False, batch=1,
+                    ops=fixed_index_ops(), side_stream=False, fold_norms=fold)
         # what the per-layer joins cost: the same predictor work and fork edges, joined once per step
         for name, recompute in (("fixed indices, joins deferred to the step's end", False),
                                 ("predictor run but unused, joins deferred to the step's end", True)):
             from dejavu_trt.runtime.executor import Executor
+            # unfolded, as the fixed-index rows above pin it (defer_joins patches this executor's decoder)
             ex = Executor(w_active, dense=False, ops=fixed_index_ops(recompute), batch=1, max_context=T,
-                          side_stream=True, cuda_graph=True)
+                          side_stream=True, cuda_graph=True, fold_norms=False)
             defer_joins(ex)
             measure(f"ablation: sparse kv active, {name}", w_active, dense=False, batch=1, executor=ex)
             del ex

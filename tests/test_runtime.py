@@ -198,15 +198,25 @@ def test_metrics_are_recorded(llama_pkg):
 
 
 def test_fold_norms_defaults_by_batch(monkeypatch):
-    """Batch 1 keeps its norms as kernels, batch 2-4 folds mlp_norm, above 4 nothing folds; an explicit
-    setting wins where folding applies; dense decoding and backends that cannot fold never fold."""
+    """Batch 1 chooses by timing (auto), batch 2-4 folds mlp_norm, above 4 nothing folds; an explicit
+    setting wins where folding applies; auto means mlp above batch 1; dense decoding and backends that
+    cannot fold never fold."""
     from types import SimpleNamespace
 
-    from dejavu_trt.runtime.executor import resolve_fold_norms
+    from dejavu_trt.runtime.executor import FOLD_AUTO, resolve_fold_norms
     monkeypatch.delenv("DEJAVU_FOLD_NORMS", raising=False)
     can, cannot = SimpleNamespace(folds_norms=True), SimpleNamespace()
     got = {b: resolve_fold_norms(None, can, dense=False, batch=b) for b in (1, 2, 4, 5, 16)}
-    assert got == {1: (), 2: ("mlp",), 4: ("mlp",), 5: (), 16: ()}
+    assert got == {1: FOLD_AUTO, 2: ("mlp",), 4: ("mlp",), 5: (), 16: ()}
+    assert resolve_fold_norms(None, can, dense=True, batch=1) == ()
+    assert resolve_fold_norms(None, cannot, dense=False, batch=1) == ()
+    assert resolve_fold_norms(False, can, dense=False, batch=1) == ()
+    monkeypatch.setenv("DEJAVU_FOLD_NORMS", "auto")
+    assert resolve_fold_norms(None, can, dense=False, batch=1) == FOLD_AUTO
+    assert resolve_fold_norms(None, can, dense=False, batch=3) == ("mlp",)
+    assert resolve_fold_norms("auto", can, dense=False, batch=16) == ()
+    monkeypatch.setenv("DEJAVU_FOLD_NORMS", "none")
+    assert resolve_fold_norms(None, can, dense=False, batch=1) == ()
     monkeypatch.setenv("DEJAVU_FOLD_NORMS", "mlp")
     assert resolve_fold_norms(None, can, dense=False, batch=1) == ("mlp",)
     monkeypatch.setenv("DEJAVU_FOLD_NORMS", "all")

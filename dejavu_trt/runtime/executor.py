@@ -42,26 +42,31 @@ def allocate(shape, dtype, device, what: str, context: str = "") -> torch.Tensor
 
 
 FOLDS = {"none": (), "0": (), "mlp": ("mlp",), "attn": ("attn",), "all": ("attn", "mlp"), "1": ("attn", "mlp")}
+FOLD_AUTO = "auto"
 
 
-def resolve_fold_norms(fold_norms, ops, *, dense: bool, batch: int) -> tuple:
-    """Which norms the sparse decode folds into the op after them (benchmarks/RESULTS.md, session 7).
+def resolve_fold_norms(fold_norms, ops, *, dense: bool, batch: int):
+    """Which norms the sparse decode folds into the op after them (benchmarks/RESULTS.md, sessions 7, 12, 14).
 
-    None: $DEJAVU_FOLD_NORMS (none | mlp | attn | all), default "mlp" at batch 2-4 and "none" at batch 1;
-    True / False: all / none. Only where the op backend can (the kernels) and at batch <= 4, where the
-    partial-sum reductions write the statistics (above it a separate read-back kernel would, measured slower).
-    Folding attn_norm too measured slower (the attention's first kernel carries the predictor's join). At
-    batch 1 folding mlp_norm was 2% faster until the QKV kernel ran three CTAs per SM there; with that it is
-    1% slower (session 12: 2.867 against 2.838 ms per token), so batch 1 keeps its norms as kernels."""
+    None: $DEJAVU_FOLD_NORMS (none | mlp | attn | all | auto), default "mlp" at batch 2-4 and "auto" at batch 1;
+    True / False: all / none; "auto" is also accepted. Only where the op backend can (the kernels) and at
+    batch <= 4, where the partial-sum reductions write the statistics (above it a separate read-back kernel
+    would, measured slower). Folding attn_norm too measured slower (the attention's first kernel carries the
+    predictor's join). Returns a tuple, or FOLD_AUTO: at batch 1 whether folding mlp_norm pays depends on the
+    shape (session 14: faster at d = 576-4608 and 6144, slower at OPT-13B's 5120, where the predictor's side
+    stream loses the norm kernel's window), so the executor times both graphs when it captures and keeps the
+    faster one (Executor._capture)."""
     if fold_norms is None:
-        key = os.environ.get("DEJAVU_FOLD_NORMS", "mlp" if batch > 1 else "none")
-        if key not in FOLDS:
-            raise DejaVuError(f"DEJAVU_FOLD_NORMS={key!r}: use one of {', '.join(FOLDS)}")
-        fold_norms = FOLDS[key]
+        key = os.environ.get("DEJAVU_FOLD_NORMS", "mlp" if batch > 1 else FOLD_AUTO)
+        if key not in FOLDS and key != FOLD_AUTO:
+            raise DejaVuError(f"DEJAVU_FOLD_NORMS={key!r}: use one of {', '.join(FOLDS)}, {FOLD_AUTO}")
+        fold_norms = key if key == FOLD_AUTO else FOLDS[key]
     elif fold_norms is True or fold_norms is False:
         fold_norms = FOLDS["all"] if fold_norms else ()
     if dense or batch > 4 or not getattr(ops, "folds_norms", False):
         return ()
+    if fold_norms == FOLD_AUTO:
+        return FOLD_AUTO if batch == 1 else FOLDS["mlp"]
     return tuple(sorted(set(fold_norms)))
 
 
@@ -100,7 +105,12 @@ class Executor:
             if prio not in ("high", "normal"):
                 raise DejaVuError(f"DEJAVU_PREDICTOR_PRIORITY={prio!r}: use high or normal")
             stream = torch.cuda.Stream(device=self.device, priority=-1 if prio == "high" else 0)
-        self.fold_norms = resolve_fold_norms(fold_norms, self.ops, dense=dense, batch=batch)
+        fold = resolve_fold_norms(fold_norms, self.ops, dense=dense, batch=batch)
+        # auto (batch 1): decode unfolded until the graph is captured, then capture the folded step too and
+        # keep the faster; without a graph (eager steps are bound by the host) it stays unfolded
+        self.fold_auto = fold == FOLD_AUTO and self.use_graph
+        self.fold_norms = () if fold == FOLD_AUTO else fold
+        self.fold_choice: dict | None = None  # what the auto choice measured (ms per step per candidate)
         if self.fold_norms:
             weights.add_folded_norms(self.fold_norms)
         self.decoder = Decoder(weights, self.ops, dense=dense, kv_policy=kv_policy, side_stream=stream,
@@ -175,6 +185,17 @@ class Executor:
         """Capture one decode step. The step is idempotent for the same token and position (it rewrites the
         same cache slot), so the warm-up runs are undone by resetting the buffers before capture."""
         tok0, pos0 = self.tokens.clone(), self.position.clone()
+        # auto: the trial replays of the graph that loses may write cache entries the kept one does not
+        # (another head selection after a rounding difference); the slot is restored before the kept replay
+        slot = ([c[:, :, self.pos_host].clone() for c in self.k_caches + self.v_caches] if self.fold_auto else None)
+        self.graph = self._capture_step(tok0, pos0)
+        if self.fold_auto:
+            self.fold_auto = False
+            self._choose_fold(tok0, pos0)
+            for c, saved in zip(self.k_caches + self.v_caches, slot):
+                c[:, :, self.pos_host].copy_(saved)
+
+    def _capture_step(self, tok0: torch.Tensor, pos0: torch.Tensor) -> torch.cuda.CUDAGraph:
         warm = torch.cuda.Stream(device=self.device)
         warm.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(warm):
@@ -188,7 +209,57 @@ class Executor:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._step_body()
-        self.graph = graph
+        return graph
+
+    def _choose_fold(self, tok0: torch.Tensor, pos0: torch.Tensor, rounds: int = 3, reps: int = 8) -> None:
+        """Batch 1's fold choice: capture the step with mlp_norm folded as well, time both graphs alternately
+        (each replay from the same token and position, so the cache ends as one step of the kept graph
+        leaves it) and keep the faster. The folded weight copies live in a private view of the weights, so
+        they are freed when unfolded wins and other executors sharing these weights never see them."""
+        import copy
+        import dataclasses
+        plain_graph, plain_decoder = self.graph, self.decoder
+        w = self.w
+        extra = sum(lw[k].numel() * lw[k].element_size() for lw in w.layers for k in ("w_up", "w_gate", "b_up")
+                    if lw.get(k) is not None and lw.get(f"{k}_nf") is None)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if extra > free // 2:  # the copies must not crowd out the KV cache or other executors
+            self.fold_choice = {"chosen": "none", "reason": f"folded copies ({extra / GiB:.2f} GiB) exceed half "
+                                f"the free memory ({free / GiB:.2f} GiB)"}
+            return
+        view = dataclasses.replace(w, layers=[dict(lw) for lw in w.layers])
+        view.add_folded_norms(("mlp",))
+        folded_decoder = copy.copy(plain_decoder)  # same ops object (tests may wrap it), same side stream
+        folded_decoder.w, folded_decoder.fold_norms = view, frozenset(("mlp",))
+        self.decoder = folded_decoder
+        folded_graph = self._capture_step(tok0, pos0)
+        times: dict[str, list[float]] = {"none": [], "mlp": []}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for r in range(rounds + 1):  # round 0 warms both up
+            for name, graph in (("none", plain_graph), ("mlp", folded_graph)):
+                self.tokens.copy_(tok0)
+                self.position.copy_(pos0)
+                graph.replay()
+                start.record()
+                for _ in range(reps):
+                    self.tokens.copy_(tok0)
+                    self.position.copy_(pos0)
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                if r:
+                    times[name].append(start.elapsed_time(end) / reps)
+        best = {k: min(v) for k, v in times.items()}
+        chosen = min(best, key=best.get)
+        self.fold_choice = {"chosen": chosen, "ms_per_step": {k: round(v, 4) for k, v in best.items()}}
+        if chosen == "mlp":
+            self.graph, self.fold_norms = folded_graph, ("mlp",)
+        else:
+            self.graph, self.decoder = plain_graph, plain_decoder
+            del folded_graph, folded_decoder, view
+        # the kept graph runs last from (tok0, pos0): the buffers and the cache slot are as after a capture
+        self.tokens.copy_(tok0)
+        self.position.copy_(pos0)
 
     def timed_steps(self, n: int) -> list[float]:
         """Run n greedy steps back to back; milliseconds between consecutive tokens (device events on CUDA)."""

@@ -145,10 +145,42 @@ def test_graph_and_side_stream_do_not_change_results(ops, batch):
     from dejavu_trt.runtime.executor import Executor
     gw, _ = _weights("llama", "cuda", torch.float16)
     prompt = torch.randint(0, 512, (batch, 5), generator=torch.Generator().manual_seed(4))
-    base = _decode(Executor(gw, ops=ops, batch=batch, max_context=32, cuda_graph=False, side_stream=False), prompt, 6)
+    # fold_norms pinned to none: batch 1's timed fold choice (its own test below) must not enter here
+    base = _decode(Executor(gw, ops=ops, batch=batch, max_context=32, cuda_graph=False, side_stream=False,
+                            fold_norms=False), prompt, 6)
     for graph, side in [(True, True), (True, False), (False, True)]:
-        got = _decode(Executor(gw, ops=ops, batch=batch, max_context=32, cuda_graph=graph, side_stream=side), prompt, 6)
+        got = _decode(Executor(gw, ops=ops, batch=batch, max_context=32, cuda_graph=graph, side_stream=side,
+                               fold_norms=False), prompt, 6)
         torch.testing.assert_close(got, base, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("kv_policy", ["dense", "active"])
+def test_batch1_auto_fold_keeps_the_timed_graph(family, kv_policy, monkeypatch):
+    """Batch 1's default (auto) captures the step unfolded and with mlp_norm folded, times both and keeps
+    the faster: its logits are bit for bit those of an executor pinned to the kept choice (the trial replays
+    leave no trace in the cache), and the shared weights gain no folded copies."""
+    from dejavu_trt.runtime.executor import Executor
+    monkeypatch.delenv("DEJAVU_FOLD_NORMS", raising=False)
+    gw, _ = _weights(family, "cuda", torch.float16, kv_policy=kv_policy)
+    if any(k.endswith("_nf") for lw in gw.layers for k in lw):
+        pytest.fail("the cached test weights already hold folded copies: the no-trace check cannot run")
+    prompt = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(6))
+    auto = Executor(gw, ops="kernels", batch=1, max_context=32)
+    assert auto.fold_auto and auto.fold_norms == () and auto.fold_choice is None
+    got = _decode(auto, prompt, 6)
+    choice = auto.fold_choice
+    assert choice is not None and choice["chosen"] in ("none", "mlp"), choice
+    assert set(choice["ms_per_step"]) == {"none", "mlp"} and all(v > 0 for v in choice["ms_per_step"].values())
+    assert auto.fold_norms == (("mlp",) if choice["chosen"] == "mlp" else ())
+    assert not any(k.endswith("_nf") for lw in gw.layers for k in lw)
+    kept = ("mlp",) if choice["chosen"] == "mlp" else ()
+    pinned = _decode(Executor(gw, ops="kernels", batch=1, max_context=32, fold_norms=kept), prompt, 6)
+    assert torch.equal(got, pinned)
+    # without a CUDA graph there is nothing to time: the eager executor stays unfolded
+    monkeypatch.delenv("DEJAVU_FOLD_NORMS", raising=False)
+    eager = Executor(gw, ops="kernels", batch=1, max_context=32, cuda_graph=False)
+    assert not eager.fold_auto and eager.fold_norms == ()
 
 
 def test_out_of_memory_names_sizes():
