@@ -227,7 +227,7 @@ class Executor:
             self.fold_choice = {"chosen": "none", "reason": f"folded copies ({extra / GiB:.2f} GiB) exceed half "
                                 f"the free memory ({free / GiB:.2f} GiB)"}
             return
-        view = dataclasses.replace(w, layers=[dict(lw) for lw in w.layers])
+        view = dataclasses.replace(w, layers=[type(lw)(lw) for lw in w.layers])
         view.add_folded_norms(("mlp",))
         folded_decoder = copy.copy(plain_decoder)  # same ops object (tests may wrap it), same side stream
         folded_decoder.w, folded_decoder.fold_norms = view, frozenset(("mlp",))
