@@ -197,6 +197,26 @@ def test_metrics_are_recorded(llama_pkg):
     assert predictor_recall(x, worst, lw, "silu_glu", 1) == 0.0
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_folded_norm_bytes_counts_the_copies_to_come(family):
+    """What batch 1's timed fold choice checks against free memory: the bytes add_folded_norms adds, and
+    nothing once the copies exist."""
+    from dejavu_trt.models.adapters import adapter_for
+    from dejavu_trt.runtime.decoder import DecoderWeights
+    from dejavu_trt.runtime.package import EngineConfig, engine_weights
+    ad = adapter_for(_tiny(family, vocab=512))
+    dims = ad.dims()
+    w, extra = engine_weights(ad)
+    cfg = EngineConfig("t", dims.to_dict(), "fp32", [40, 17], [1, 3], max_context=32, **extra)
+    dw = DecoderWeights.from_tensors(cfg, w, _predictors(dims))
+    before = dw.nbytes
+    want = dw.folded_norm_bytes(("mlp",))
+    assert want > 0 and dw.folded_norm_bytes(()) == 0
+    dw.add_folded_norms(("mlp",))
+    assert dw.nbytes - before == want
+    assert dw.folded_norm_bytes(("mlp",)) == 0
+
+
 def test_fold_norms_defaults_by_batch(monkeypatch):
     """Batch 1 chooses by timing (auto), batch 2-4 folds mlp_norm, above 4 nothing folds; an explicit
     setting wins where folding applies; auto means mlp above batch 1; dense decoding and backends that

@@ -80,6 +80,20 @@ class DecoderWeights:
                 lw["w_down"] = lw["w_down_t"].T.contiguous()
                 lw["w_o"] = lw["w_o_t"].T.contiguous()
 
+    _FOLD_GROUPS = {"mlp": ("mlp_norm", (("w_up", "b_up"), ("w_gate", None))),
+                    "attn": ("attn_norm", (("w_q", "b_q"), ("w_k", "b_k"), ("w_v", "b_v")))}
+
+    def folded_norm_bytes(self, which) -> int:
+        """Device bytes add_folded_norms(which) would add (copies not made yet)."""
+        total = 0
+        for name in which:
+            for lw in self.layers:
+                for wname, bname in self._FOLD_GROUPS[name][1]:
+                    for k in (wname, bname):
+                        if k and lw.get(k) is not None and lw.get(f"{k}_nf") is None:
+                            total += lw[k].numel() * lw[k].element_size()
+        return total
+
     def add_folded_norms(self, which) -> None:
         """Copies of the input-side weights of the ops after a folded norm, with the norm's weight and bias
         folded in (suffix _nf): "mlp" (mlp_norm into w_up, w_gate, b_up) and/or "attn" (attn_norm into w_q,
@@ -87,10 +101,8 @@ class DecoderWeights:
         statistics the op before wrote, so the decode step launches no norm kernel there. Costs those weights'
         bytes once more on the device."""
         from ..kernels import fold_norm
-        groups = {"mlp": ("mlp_norm", (("w_up", "b_up"), ("w_gate", None))),
-                  "attn": ("attn_norm", (("w_q", "b_q"), ("w_k", "b_k"), ("w_v", "b_v")))}
         for name in which:
-            norm, mats = groups[name]
+            norm, mats = self._FOLD_GROUPS[name]
             for lw in self.layers:
                 g, beta = lw[f"{norm}.weight"], lw[f"{norm}.bias"]
                 for wname, bname in mats:

@@ -11,6 +11,8 @@ One class serves both targets:
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import time
 
@@ -216,12 +218,9 @@ class Executor:
         (each replay from the same token and position, so the cache ends as one step of the kept graph
         leaves it) and keep the faster. The folded weight copies live in a private view of the weights, so
         they are freed when unfolded wins and other executors sharing these weights never see them."""
-        import copy
-        import dataclasses
         plain_graph, plain_decoder = self.graph, self.decoder
         w = self.w
-        extra = sum(lw[k].numel() * lw[k].element_size() for lw in w.layers for k in ("w_up", "w_gate", "b_up")
-                    if lw.get(k) is not None and lw.get(f"{k}_nf") is None)
+        extra = w.folded_norm_bytes(("mlp",))
         free, _ = torch.cuda.mem_get_info(self.device)
         if extra > free // 2:  # the copies must not crowd out the KV cache or other executors
             self.fold_choice = {"chosen": "none", "reason": f"folded copies ({extra / GiB:.2f} GiB) exceed half "
@@ -254,9 +253,8 @@ class Executor:
         self.fold_choice = {"chosen": chosen, "ms_per_step": {k: round(v, 4) for k, v in best.items()}}
         if chosen == "mlp":
             self.graph, self.fold_norms = folded_graph, ("mlp",)
-        else:
+        else:  # the folded graph, decoder and weight view go out of scope here
             self.graph, self.decoder = plain_graph, plain_decoder
-            del folded_graph, folded_decoder, view
         # the kept graph runs last from (tok0, pos0): the buffers and the cache slot are as after a capture
         self.tokens.copy_(tok0)
         self.position.copy_(pos0)

@@ -178,7 +178,6 @@ def test_batch1_auto_fold_keeps_the_timed_graph(family, kv_policy, monkeypatch):
     pinned = _decode(Executor(gw, ops="kernels", batch=1, max_context=32, fold_norms=kept), prompt, 6)
     assert torch.equal(got, pinned)
     # without a CUDA graph there is nothing to time: the eager executor stays unfolded
-    monkeypatch.delenv("DEJAVU_FOLD_NORMS", raising=False)
     eager = Executor(gw, ops="kernels", batch=1, max_context=32, cuda_graph=False)
     assert not eager.fold_auto and eager.fold_norms == ()
 
