@@ -33,7 +33,7 @@ template <int ACT> __device__ __forceinline__ float activate(float u) {
 // refills that stage. Partials part[c][b][:] are summed in CTA order by rows_reduce_kernel (deterministic).
 constexpr int kBulkMaxThreads = 256;  // few warps: the per-neuron CTA reduction stays short
 constexpr int kBulkMaxStages = 8;
-constexpr size_t kBulkHeader = 2048;  // mbarriers [0, 128), cross-warp dot sums [128, 2048)
+constexpr size_t kBulkHeader = 2048;  // mbarriers [0, 128), dot sums and norm [128, 1024), pooled rows [1024, 1056)
 constexpr size_t kBulkSmPerSm = 200 * 1024;
 
 // The folded-norm extras of djv_sparse_mlp_folded (djv_stats.cuh); all null/zero for djv_sparse_mlp.
@@ -44,8 +44,14 @@ struct Fold {
     float2* y_stats;
 };
 
+// Static runs (pool == 0): CTA c owns per (+1 for c < rem) consecutive active neurons. With a pool
+// (DJV_MLP_POOL=percent, an A/B knob): CTA c owns `home` neurons, and the last M - ctas * home are claimed two
+// at a time from a counter in the workspace by whichever CTA gets there first. A CTA that starts late (its
+// SM held by the predictor's top-k on the side stream) then claims less, instead of ending the grid late.
+// Which CTA sums which pooled neuron depends on timing, so pooled results are not bit-reproducible.
 struct BulkPlan {
     int vpt, threads, stages, ctas, per, rem;
+    int m, home, pool;  // pool: 1 when neurons [ctas * home, m) are claimed at run time
     size_t smem;
 };
 
@@ -90,6 +96,12 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     p.ctas = ctas;
     p.per = M / p.ctas;
     p.rem = M % p.ctas;
+    p.m = M;
+    static const int pool_pct = env_int("DJV_MLP_POOL", 0, 100, 0);
+    if (pool_pct > 0) {
+        p.home = (int)((long long)M * (100 - pool_pct) / 100 / p.ctas);
+        p.pool = p.home * p.ctas < M ? 1 : 0;
+    }
     return p;
 }
 
@@ -98,7 +110,7 @@ template <typename T, int NB, int ACT, int VPT, bool FOLD>
 __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_bulk_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ idx, int bs, const T* __restrict__ w_gate,
     const T* __restrict__ w_up, const T* __restrict__ b_up, const T* __restrict__ w_down_t, float* __restrict__ part,
-    const float2* __restrict__ x_stats, int rms, float eps, int B, int d, BulkPlan p) {
+    const float2* __restrict__ x_stats, int rms, float eps, unsigned* __restrict__ ctr, int B, int d, BulkPlan p) {
 #ifdef DJV_BULK
     constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : 1;  // up-side rows per neuron
     constexpr int NSEG = NMAT + 1;
@@ -107,19 +119,51 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     extern __shared__ __align__(128) unsigned char smem[];
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
     float* red = reinterpret_cast<float*>(smem + 128);  // [2][8 warps][NV]
+    int* rowq = reinterpret_cast<int*>(smem + 1024);  // [stages]: pooled neuron rows, -1 = no more work
     int* rowtab = reinterpret_cast<int*>(smem + kBulkHeader);  // [p.per + 1]
     T* ring = reinterpret_cast<T*>(smem + kBulkHeader + bulk_table_bytes(p.per + 1));
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
-    const int j0 = blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
-    const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
+    const int j0 = p.pool ? (int)blockIdx.x * p.home : blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
+    const int n = p.pool ? p.home : p.per + ((int)blockIdx.x < p.rem ? 1 : 0);  // home neurons
     const unsigned seg_bytes = (unsigned)d * sizeof(T);
     const uint64_t pol = l2_evict_first_policy();
     pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
 
+    // Pool state, thread 0 only: rows of the claimed pair being issued (c0, c1), of the next pair (loads in
+    // flight, n0, n1), and the claim after that (atomic in flight). Each value is first used a pair of neurons
+    // after its load or atomic was issued, so thread 0 does not wait for the round trips.
+    int c0 = -1, c1 = -1, n0 = -1, n1 = -1, used = 0;
+    unsigned claim = 0;
+    bool ended = false;
+    auto pool_pair = [&](unsigned k, int& r0, int& r1) {
+        const int q = p.ctas * p.home + 2 * (int)k;
+        r0 = q < p.m ? expand_row(idx, q, bs) : -1;
+        r1 = q + 1 < p.m ? expand_row(idx, q + 1, bs) : -1;
+    };
+    auto pool_next = [&]() {
+        if (used == 2) {
+            c0 = n0; c1 = n1; used = 0;
+            pool_pair(claim, n0, n1);
+            claim = atomicAdd(ctr, 1u);
+        }
+        return used++ == 0 ? c0 : c1;
+    };
     auto issue = [&](int j) {  // thread 0: neuron j's rows into stage j % stages
         const int s = j % p.stages;
-        const size_t row = (size_t)rowtab[j];
+        int r;
+        if (j < n) {
+            r = rowtab[j];
+        } else {  // pooled: claims are increasing, so the first row past the pool ends this CTA's work
+            r = ended ? -1 : pool_next();
+            rowq[s] = r;
+            if (r < 0) {
+                ended = true;
+                mbar_arrive(&bars[s]);
+                return;
+            }
+        }
+        const size_t row = (size_t)r;
         T* dst = ring + (size_t)s * NSEG * d;
         mbar_expect_tx(&bars[s], NSEG * seg_bytes);
         if (NMAT == 2) bulk_load(dst, w_gate + row * d, seg_bytes, &bars[s], pol);
@@ -176,12 +220,25 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             }
         }
     }
+    if (p.pool && tid == 0) {  // after the home copies and x: the first claim waits one round trip
+        const unsigned k = atomicAdd(ctr, 2u);
+        pool_pair(k, c0, c1);
+        pool_pair(k + 1, n0, n1);
+        claim = atomicAdd(ctr, 1u);
+        for (int j = n; j < p.stages && !ended; ++j) issue(j);
+    }
     float acc[NB][VPT][8] = {};
 
-    for (int j = 0; j < n; ++j) {
+    for (int j = 0;; ++j) {
+        if (j >= n && !p.pool) break;
         const int s = j % p.stages;
-        const float bias = (NMAT == 1 && b_up) ? to_f(b_up[rowtab[j]]) : 0.f;
+        float bias = (NMAT == 1 && b_up && j < n) ? to_f(b_up[rowtab[j]]) : 0.f;
         mbar_wait(&bars[s], (unsigned)(j / p.stages) & 1u);
+        if (j >= n) {  // pooled neuron, or the end marker (uniform across the CTA)
+            const int r = rowq[s];
+            if (r < 0) break;
+            if (NMAT == 1 && b_up) bias = to_f(b_up[r]);
+        }
         const T* st = ring + (size_t)s * NSEG * d;
         float dot[NMAT][NB] = {};
 #pragma unroll
@@ -214,7 +271,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             }
         __syncthreads();
         // Every thread is past neuron j-1's down row: its stage is free.
-        if (tid == 0 && j >= 1 && j - 1 + p.stages < n) {
+        if (tid == 0 && j >= 1 && (j - 1 + p.stages < n || (p.pool && !ended))) {
             fence_proxy_async();
             issue(j - 1 + p.stages);
         }
@@ -257,18 +314,25 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             dst[1] = make_float4(acc[b][v][4], acc[b][v][5], acc[b][v][6], acc[b][v][7]);
         }
     }
+    if (p.pool && tid == 0) {  // the last CTA out leaves both counters at zero for the next call
+        __threadfence();
+        if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
+            ctr[0] = 0;
+            ctr[1] = 0;
+        }
+    }
 #endif
 }
 
 template <typename T, int NB, int ACT, int VPT>
 cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
-                     const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, const Fold& f, int B,
-                     int d, cudaStream_t st) {
+                     const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, unsigned* ctr,
+                     const Fold& f, int B, int d, cudaStream_t st) {
     auto* k = f.x_stats ? mlp_bulk_kernel<T, NB, ACT, VPT, true> : mlp_bulk_kernel<T, NB, ACT, VPT, false>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
     e = launch_pdl(k, dim3(bp.ctas), dim3(bp.threads), bp.smem, st, x, idx, bs, wg, wu, bu, wd, part, f.x_stats,
-                   f.rms, f.eps, B, d, bp);
+                   f.rms, f.eps, ctr, B, d, bp);
     if (e != cudaSuccess) return e;
     return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st, f.y_stats);
 }
@@ -276,10 +340,10 @@ cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs,
 template <typename T, int ACT>
 cudaError_t run_bulk_any(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg,
                          const T* wu, const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part,
-                         const Fold& f, int B, int d, cudaStream_t st) {
+                         unsigned* ctr, const Fold& f, int B, int d, cudaStream_t st) {
 #define DJV_BULK_CASE(NB_, VPT_)                                                                     \
     if (rows_nb(B) == NB_ && bp.vpt == VPT_)                                                         \
-        return run_bulk<T, NB_, ACT, VPT_>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, f, B, d, st);
+        return run_bulk<T, NB_, ACT, VPT_>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, ctr, f, B, d, st);
     DJV_BULK_CASE(1, 1) DJV_BULK_CASE(1, 2) DJV_BULK_CASE(1, 4) DJV_BULK_CASE(1, 8)
     DJV_BULK_CASE(2, 1) DJV_BULK_CASE(2, 2) DJV_BULK_CASE(2, 4)
     DJV_BULK_CASE(4, 1) DJV_BULK_CASE(4, 2)
@@ -476,9 +540,9 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     }
     if (p.bulk.ctas > 0) {
         switch (act) {
-        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, g, B, d, st);
-        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, g, B, d, st);
-        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, g, B, d, st);
+        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, ctr_up, g, B, d, st);
+        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, ctr_up, g, B, d, st);
+        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, ctr_up, g, B, d, st);
         }
     }
     switch (act) {
