@@ -87,7 +87,10 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     static const int per_sm_cap = env_int("DJV_MLP_PER_SM", 1, 4, 0);  // A/B runs only: fewer CTAs per SM
     if (per_sm_cap && per_sm > per_sm_cap) per_sm = per_sm_cap;
     const size_t cap = (size_t)smem_optin() < kBulkSmPerSm / per_sm ? (size_t)smem_optin() : kBulkSmPerSm / per_sm;
-    const int ctas = M < per_sm * sm_count() ? M : per_sm * sm_count();
+    // DJV_MLP_SLACK=k (A/B runs): size the grid for k fewer SMs, so that it fits beside CTAs of the side stream
+    static const int slack = env_int("DJV_MLP_SLACK", 0, 64, 0);
+    const int slots = per_sm * (sm_count() - slack);
+    const int ctas = M < slots ? M : slots;
     const size_t head = kBulkHeader + bulk_table_bytes(M / ctas + 1);
     if (cap < head + 2 * stage) return p;
     p.stages = (int)((cap - head) / stage);
