@@ -44,14 +44,15 @@ struct Fold {
     float2* y_stats;
 };
 
-// Static runs (pool == 0): CTA c owns per (+1 for c < rem) consecutive active neurons. With a pool
-// (DJV_MLP_POOL=percent, an A/B knob): CTA c owns `home` neurons, and the last M - ctas * home are claimed two
-// at a time from a counter in the workspace by whichever CTA gets there first. A CTA that starts late (its
-// SM held by the predictor's top-k on the side stream) then claims less, instead of ending the grid late.
-// Which CTA sums which pooled neuron depends on timing, so pooled results are not bit-reproducible.
+// Static runs (pool == 0): CTA c owns per (+1 for c < rem) consecutive active neurons. Remainder pool
+// (pool = rem > 0): every CTA owns `per` neurons, and the last rem are claimed one at a time, from a counter in
+// the workspace, by the CTAs that finish first. So a grid sized for fewer SMs than the device has (room for
+// the predictor's CTAs on the side stream) does not cost a whole extra neuron on the CTAs that would have
+// owned per + 1. A pooled neuron writes its own partial of y (slot ctas + ticket), so the sums do not depend
+// on which CTA claimed it: results stay bit-reproducible.
 struct BulkPlan {
     int vpt, threads, stages, ctas, per, rem;
-    int m, home, pool;  // pool: 1 when neurons [ctas * home, m) are claimed at run time
+    int pool;  // neurons claimed at run time (0: static runs); partials: ctas + pool
     size_t smem;
 };
 
@@ -99,12 +100,8 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     p.ctas = ctas;
     p.per = M / p.ctas;
     p.rem = M % p.ctas;
-    p.m = M;
-    static const int pool_pct = env_int("DJV_MLP_POOL", 0, 100, 0);
-    if (pool_pct > 0) {
-        p.home = (int)((long long)M * (100 - pool_pct) / 100 / p.ctas);
-        p.pool = p.home * p.ctas < M ? 1 : 0;
-    }
+    static const int pool_on = env_int("DJV_MLP_POOL", 0, 1, 0);
+    p.pool = pool_on ? p.rem : 0;
     return p;
 }
 
@@ -122,49 +119,47 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     extern __shared__ __align__(128) unsigned char smem[];
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
     float* red = reinterpret_cast<float*>(smem + 128);  // [2][8 warps][NV]
-    int* rowq = reinterpret_cast<int*>(smem + 1024);  // [stages]: pooled neuron rows, -1 = no more work
+    int* rowq = reinterpret_cast<int*>(smem + 1024);  // [stages]: pooled neurons' rows
+    int* tkq = rowq + kBulkMaxStages;  // [stages]: their tickets (partial slot ctas + ticket), -1 = no more work
     int* rowtab = reinterpret_cast<int*>(smem + kBulkHeader);  // [p.per + 1]
     T* ring = reinterpret_cast<T*>(smem + kBulkHeader + bulk_table_bytes(p.per + 1));
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
-    const int j0 = p.pool ? (int)blockIdx.x * p.home : blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
-    const int n = p.pool ? p.home : p.per + ((int)blockIdx.x < p.rem ? 1 : 0);  // home neurons
+    const int j0 = p.pool ? (int)blockIdx.x * p.per : blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
+    const int n = p.pool ? p.per : p.per + ((int)blockIdx.x < p.rem ? 1 : 0);  // own neurons
     const unsigned seg_bytes = (unsigned)d * sizeof(T);
     const uint64_t pol = l2_evict_first_policy();
     pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
 
-    // Pool state, thread 0 only: rows of the claimed pair being issued (c0, c1), of the next pair (loads in
-    // flight, n0, n1), and the claim after that (atomic in flight). Each value is first used a pair of neurons
-    // after its load or atomic was issued, so thread 0 does not wait for the round trips.
-    int c0 = -1, c1 = -1, n0 = -1, n1 = -1, used = 0;
-    unsigned claim = 0;
+    // Pool claims, thread 0 only. Every CTA claims tickets until it draws one past the pool, so a call makes
+    // exactly pool + ctas claims, and the CTA that draws the last leaves the counter at zero for the next call.
+    // A claim is issued one neuron before its ticket is needed, so thread 0 does not wait for the round trip.
+    int ahead = -1;  // ticket of a claim in flight, -1 none
     bool ended = false;
-    auto pool_pair = [&](unsigned k, int& r0, int& r1) {
-        const int q = p.ctas * p.home + 2 * (int)k;
-        r0 = q < p.m ? expand_row(idx, q, bs) : -1;
-        r1 = q + 1 < p.m ? expand_row(idx, q + 1, bs) : -1;
-    };
-    auto pool_next = [&]() {
-        if (used == 2) {
-            c0 = n0; c1 = n1; used = 0;
-            pool_pair(claim, n0, n1);
-            claim = atomicAdd(ctr, 1u);
-        }
-        return used++ == 0 ? c0 : c1;
+    auto take = [&]() {
+        const int t = ahead >= 0 ? ahead : (int)atomicAdd(ctr, 1u);
+        ahead = -1;
+        if (t == p.pool + (int)gridDim.x - 1) *ctr = 0u;
+        if (t >= p.pool) return -1;
+        ahead = (int)atomicAdd(ctr, 1u);  // for the next pooled neuron
+        return t;
     };
     auto issue = [&](int j) {  // thread 0: neuron j's rows into stage j % stages
         const int s = j % p.stages;
         int r;
         if (j < n) {
             r = rowtab[j];
-        } else {  // pooled: claims are increasing, so the first row past the pool ends this CTA's work
-            r = ended ? -1 : pool_next();
-            rowq[s] = r;
-            if (r < 0) {
+            if (p.pool && j == n - 1) ahead = (int)atomicAdd(ctr, 1u);
+        } else {  // pooled
+            const int t = ended ? -1 : take();
+            tkq[s] = t;
+            if (t < 0) {
                 ended = true;
-                mbar_arrive(&bars[s]);
+                mbar_arrive(&bars[s]);  // the end marker
                 return;
             }
+            r = expand_row(idx, p.ctas * p.per + t, bs);
+            rowq[s] = r;
         }
         const size_t row = (size_t)r;
         T* dst = ring + (size_t)s * NSEG * d;
@@ -223,13 +218,8 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             }
         }
     }
-    if (p.pool && tid == 0) {  // after the home copies and x: the first claim waits one round trip
-        const unsigned k = atomicAdd(ctr, 2u);
-        pool_pair(k, c0, c1);
-        pool_pair(k + 1, n0, n1);
-        claim = atomicAdd(ctr, 1u);
+    if (p.pool && tid == 0)  // a CTA with fewer own neurons than stages
         for (int j = n; j < p.stages && !ended; ++j) issue(j);
-    }
     float acc[NB][VPT][8] = {};
 
     for (int j = 0;; ++j) {
@@ -237,10 +227,11 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         const int s = j % p.stages;
         float bias = (NMAT == 1 && b_up && j < n) ? to_f(b_up[rowtab[j]]) : 0.f;
         mbar_wait(&bars[s], (unsigned)(j / p.stages) & 1u);
+        int ticket = -1;
         if (j >= n) {  // pooled neuron, or the end marker (uniform across the CTA)
-            const int r = rowq[s];
-            if (r < 0) break;
-            if (NMAT == 1 && b_up) bias = to_f(b_up[r]);
+            ticket = tkq[s];
+            if (ticket < 0) break;
+            if (NMAT == 1 && b_up) bias = to_f(b_up[rowq[s]]);
         }
         const T* st = ring + (size_t)s * NSEG * d;
         float dot[NMAT][NB] = {};
@@ -299,6 +290,16 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             if (c >= d) continue;
             float wf[8];
             unpack8<T>(*reinterpret_cast<const uint4*>(st + (size_t)NMAT * d + c), wf);
+            if (ticket >= 0) {  // pooled: its own partial slot
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    if (b >= B) break;
+                    float4* dst = reinterpret_cast<float4*>(part + (((size_t)gridDim.x + ticket) * B + b) * d + c);
+                    dst[0] = make_float4(a[b] * wf[0], a[b] * wf[1], a[b] * wf[2], a[b] * wf[3]);
+                    dst[1] = make_float4(a[b] * wf[4], a[b] * wf[5], a[b] * wf[6], a[b] * wf[7]);
+                }
+                continue;
+            }
 #pragma unroll
             for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -317,13 +318,6 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             dst[1] = make_float4(acc[b][v][4], acc[b][v][5], acc[b][v][6], acc[b][v][7]);
         }
     }
-    if (p.pool && tid == 0) {  // the last CTA out leaves both counters at zero for the next call
-        __threadfence();
-        if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
-            ctr[0] = 0;
-            ctr[1] = 0;
-        }
-    }
 #endif
 }
 
@@ -337,7 +331,7 @@ cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs,
     e = launch_pdl(k, dim3(bp.ctas), dim3(bp.threads), bp.smem, st, x, idx, bs, wg, wu, bu, wd, part, f.x_stats,
                    f.rms, f.eps, ctr, B, d, bp);
     if (e != cudaSuccess) return e;
-    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st, f.y_stats);
+    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas + bp.pool, st, f.y_stats);
 }
 
 template <typename T, int ACT>
@@ -460,7 +454,7 @@ MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
         p.up_items = 0;
         size_t o = kCounterBytes;
         p.off_act = p.off_up = p.off_down = o;
-        p.off_xn = align_up(o + (size_t)p.bulk.ctas * B * d * 4, 256);
+        p.off_xn = align_up(o + (size_t)(p.bulk.ctas + p.bulk.pool) * B * d * 4, 256);
         p.total = align_up(p.off_xn + (size_t)B * d * esize, 256);
         return p;
     }
