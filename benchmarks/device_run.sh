@@ -7,7 +7,7 @@
 #   bash benchmarks/device_run.sh tests tests-portable kernels e2e
 #
 # Steps: tests (pytest tests/gpu), tests-portable (DJV_NO_BULK=1 DJV_TOPK_R8=1: the sm_80 kernels on the
-# H200), tests-nopdl, tests-pool (every GPU test with DJV_MLP_POOL=1 DJV_MLP_SLACK=2), kernels (bench_kernels --focus), attn / mlp (bench_kernels, OPT-13B attention / all
+# H200), tests-nopdl, kernels (bench_kernels --focus), attn / mlp (bench_kernels, OPT-13B attention / all
 # MLP shapes), e2e (bench_e2e --opt13b, all batches + HF eager), e2e-pdl (bench_e2e --core at B=1/4
 # with and without programmatic dependent launch), e2e-core (bench_e2e --core at B=1/4: dense, sparse, and the
 # mlp_norm fold A/B), sweep (bench_e2e --sweep: B=1 step time from ~0 to 100% kept, and the fitted fixed
@@ -74,8 +74,6 @@ for step in "$@"; do
     tests) run tests -- $PY "${GPU_TESTS[@]}" ;;
     tests-portable) run tests-portable DJV_NO_BULK=1 DJV_TOPK_R8=1 -- $PY "${GPU_TESTS[@]}" ;;
     tests-nopdl) run tests-nopdl DJV_NO_PDL=1 -- $PY "${GPU_TESTS[@]}" -k kernel ;;
-    tests-pool)  # every GPU test with the fused MLP's remainder pool on and its grid 2 SMs short
-        run tests-pool DJV_MLP_POOL=1 DJV_MLP_SLACK=2 -- $PY "${GPU_TESTS[@]}" ;;
     kernels) run kernels -- $PY benchmarks/bench_kernels.py --focus --only mlp,attn,pred --json "$LOGS/kernels.json" ;;
     mlp) run mlp -- $PY "${MLP_FOCUS[@]}" --json "$LOGS/mlp.json" ;;
     pred) run pred -- $PY "${PRED_FOCUS[@]}" --json "$LOGS/pred.json" ;;

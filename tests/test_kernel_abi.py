@@ -140,3 +140,18 @@ def test_row_stats_argument_checks(lib, rows, d, want):
         assert st > 0
     else:
         assert st == want
+
+
+def test_mlp_grid_slack_setter(lib):
+    """djv_set_mlp_grid_slack returns the previous value and rejects values outside [0, SM count / 2]; a
+    slack never makes an MLP call need more workspace (the fused kernel's partials shrink with its grid)."""
+    before = lib.djv_set_mlp_grid_slack(2)
+    assert before >= 0
+    try:
+        assert lib.djv_set_mlp_grid_slack(-1) == DJV_E_SHAPE
+        assert lib.djv_set_mlp_grid_slack(10_000) == DJV_E_SHAPE
+        with_slack = lib.djv_sparse_mlp_workspace_size(1, 5120, 20480, 5120, 1, 0)
+        assert lib.djv_set_mlp_grid_slack(0) == 2
+        assert 0 < with_slack <= lib.djv_sparse_mlp_workspace_size(1, 5120, 20480, 5120, 1, 0)
+    finally:
+        lib.djv_set_mlp_grid_slack(before)

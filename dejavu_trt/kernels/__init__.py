@@ -52,7 +52,7 @@ from pathlib import Path
 __all__ = [
     "available", "load_library", "open_library", "library_path", "KernelsUnavailable",
     "predictor", "sparse_mlp", "head_sparse_attention", "norm", "row_stats", "empty_stats", "fold_norm",
-    "predictor_workspace_size", "sparse_mlp_workspace_size", "head_attention_workspace_size",
+    "predictor_workspace_size", "sparse_mlp_workspace_size", "head_attention_workspace_size", "set_mlp_grid_slack",
 ]
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
 _NORM = {"layernorm": 0, "rmsnorm": 1}
-ABI_VERSION = 4  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
+ABI_VERSION = 5  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
 
@@ -123,6 +123,8 @@ def open_library(path: str | Path) -> ctypes.CDLL:
     if lib.djv_abi_version() != ABI_VERSION:
         raise KernelsUnavailable(f"{path}: C ABI version {lib.djv_abi_version()}, expected {ABI_VERSION}; rebuild it "
                                  "with `python -m dejavu_trt.kernels.build`")
+    lib.djv_set_mlp_grid_slack.restype = I  # ABI 5
+    lib.djv_set_mlp_grid_slack.argtypes = [I]
     return lib
 
 
@@ -180,6 +182,16 @@ def _workspace(op: str, nbytes: int, device, given):
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)  # counters must start at zero
         _ws_cache[key] = buf
     return buf
+
+
+def set_mlp_grid_slack(sms: int) -> int:
+    """Size the fused MLP's grid (sm_90, batch <= 4) for `sms` fewer SMs than the device has, leaving room for
+    the predictor's CTAs on its side stream. Process-wide and read when a call is enqueued: a captured CUDA
+    graph keeps the grid it was captured with. Returns the previous value."""
+    prev = load_library().djv_set_mlp_grid_slack(int(sms))
+    if prev < 0:
+        raise ValueError(f"MLP grid slack {sms}: must be between 0 and half the device's SM count")
+    return prev
 
 
 def predictor_workspace_size(B, d, r_m, Nb, r_h=0, H=0) -> int:

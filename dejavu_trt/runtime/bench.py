@@ -68,7 +68,8 @@ def time_mode(weights: DecoderWeights, *, dense: bool, batch: int = 1, steps: in
     mean = statistics.fmean(tbt)
     return {"mode": "dense" if dense else "sparse", "batch": batch, "ops": "cublas" if dense and ex.cuda else ex.ops.name,
             "side_stream": ex.decoder.side_stream is not None, "cuda_graph": ex.use_graph,
-            "fold_norms": getattr(ex, "fold_norms", False), "fold_choice": getattr(ex, "fold_choice", None),
+            "fold_norms": getattr(ex, "fold_norms", False), "step_choice": getattr(ex, "step_choice", None),
+            "mlp_grid_slack": getattr(ex, "mlp_grid_slack", None),
             "steps": steps, "tbt_ms_p50": percentile(tbt, 50), "tbt_ms_p99": percentile(tbt, 99),
             "tbt_ms_mean": mean, "tokens_per_s": batch * 1e3 / mean, "bytes_per_step": sb.total,
             "achieved_gb_s": sb.total / (mean * 1e-3) / 1e9}

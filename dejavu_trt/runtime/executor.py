@@ -11,6 +11,7 @@ One class serves both targets:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -42,6 +43,10 @@ def allocate(shape, dtype, device, what: str, context: str = "") -> torch.Tensor
         raise DejaVuError(f"CUDA out of memory allocating {what} {tuple(shape)} {str(dtype).replace('torch.', '')} "
                           f"= {nbytes / GiB:.2f} GiB{context}{free}; use a smaller --batch or --max-context") from None
 
+
+# The fused MLP's grid in batch 1's slack candidates: sized for this many fewer SMs, the two that the predictor's
+# top-k CTAs (one per part, 1024 threads each) hold whole on the side stream (benchmarks/RESULTS.md, session 15).
+MLP_GRID_SLACK = 2
 
 FOLDS = {"none": (), "0": (), "mlp": ("mlp",), "attn": ("attn",), "all": ("attn", "mlp"), "1": ("attn", "mlp")}
 FOLD_AUTO = "auto"
@@ -76,7 +81,7 @@ class Executor:
     def __init__(self, weights: DecoderWeights, *, dense: bool = False, ops: str = "auto", batch: int = 1,
                  max_context: int | None = None, side_stream: bool = True, cuda_graph: bool = True,
                  kv_policy: str | None = None, fold_norms: bool | None = None,
-                 predictor_priority: str | None = None):
+                 predictor_priority: str | None = None, mlp_grid_slack: int | None = None):
         cfg = weights.config
         if not 1 <= batch <= min(cfg.max_batch, MAX_BATCH):
             raise DejaVuError(f"batch {batch} is outside 1..{min(cfg.max_batch, MAX_BATCH)} (the engine's maximum); "
@@ -108,11 +113,16 @@ class Executor:
                 raise DejaVuError(f"DEJAVU_PREDICTOR_PRIORITY={prio!r}: use high or normal")
             stream = torch.cuda.Stream(device=self.device, priority=-1 if prio == "high" else 0)
         fold = resolve_fold_norms(fold_norms, self.ops, dense=dense, batch=batch)
-        # auto (batch 1): decode unfolded until the graph is captured, then capture the folded step too and
-        # keep the faster; without a graph (eager steps are bound by the host) it stays unfolded
+        # auto (batch 1): decode unfolded until the graph is captured, then capture the step variants too
+        # (mlp_norm folded or not, the fused MLP's grid leaving the predictor's SMs free or not) and keep the
+        # fastest; without a graph (eager steps are bound by the host) it stays unfolded on the whole device
         self.fold_auto = fold == FOLD_AUTO and self.use_graph
         self.fold_norms = () if fold == FOLD_AUTO else fold
-        self.fold_choice: dict | None = None  # what the auto choice measured (ms per step per candidate)
+        # None: the library's setting (0 unless DJV_MLP_SLACK says otherwise); an int pins it for this executor
+        self.mlp_grid_slack = mlp_grid_slack
+        if mlp_grid_slack is not None and not hasattr(self.ops, "set_mlp_grid_slack"):
+            raise DejaVuError(f"mlp_grid_slack needs the CUDA kernels (ops {self.ops.name!r} has no fused MLP)")
+        self.step_choice: dict | None = None  # what the auto choice measured (ms per step per candidate)
         if self.fold_norms:
             weights.add_folded_norms(self.fold_norms)
         self.decoder = Decoder(weights, self.ops, dense=dense, kv_policy=kv_policy, side_stream=stream,
@@ -155,7 +165,23 @@ class Executor:
         return logits
 
     # --- decode -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _grid_slack(self, sms: int | None):
+        """The fused MLP's grid slack while this executor enqueues kernels (a graph keeps what it captured)."""
+        if sms is None:
+            yield
+            return
+        prev = self.ops.set_mlp_grid_slack(sms)
+        try:
+            yield
+        finally:
+            self.ops.set_mlp_grid_slack(prev)
+
     def _step_body(self) -> None:
+        with self._grid_slack(self.mlp_grid_slack):
+            self._decode_into_buffers()
+
+    def _decode_into_buffers(self) -> None:
         logits = self.decoder.decode_step(self.tokens, self.position, self.k_caches, self.v_caches)
         if self.logits is None:
             self.logits = torch.empty_like(logits)
@@ -193,7 +219,7 @@ class Executor:
         self.graph = self._capture_step(tok0, pos0)
         if self.fold_auto:
             self.fold_auto = False
-            self._choose_fold(tok0, pos0)
+            self._choose_step(tok0, pos0)
             for c, saved in zip(self.k_caches + self.v_caches, slot):
                 c[:, :, self.pos_host].copy_(saved)
 
@@ -213,29 +239,48 @@ class Executor:
             self._step_body()
         return graph
 
-    def _choose_fold(self, tok0: torch.Tensor, pos0: torch.Tensor, rounds: int = 3, reps: int = 8) -> None:
-        """Batch 1's fold choice: capture the step with mlp_norm folded as well, time both graphs alternately
-        (each replay from the same token and position, so the cache ends as one step of the kept graph
-        leaves it) and keep the faster. The folded weight copies live in a private view of the weights, so
-        they are freed when unfolded wins and other executors sharing these weights never see them."""
-        plain_graph, plain_decoder = self.graph, self.decoder
+    def _slack_candidates(self) -> bool:
+        """Whether batch 1's choice also times the fused MLP's grid with MLP_GRID_SLACK SMs left free: only
+        the sm_90 fused MLP has that grid, and only a side stream's predictor can use the room."""
+        return (self.mlp_grid_slack is None and hasattr(self.ops, "set_mlp_grid_slack")
+                and self.decoder.side_stream is not None
+                and torch.cuda.get_device_capability(self.device)[0] >= 9)
+
+    def _choose_step(self, tok0: torch.Tensor, pos0: torch.Tensor, rounds: int = 3, reps: int = 8) -> None:
+        """Batch 1's timed choice. Candidates: mlp_norm unfolded ("none") or folded ("mlp"), each also with
+        the fused MLP's grid MLP_GRID_SLACK SMs short ("+slack2"). Which is fastest depends on the shape
+        (benchmarks/RESULTS.md, sessions 14-15). Each is captured as its own graph and all are timed
+        alternately, each replay from the same token and position, so the cache ends as one step of the kept
+        graph leaves it. The folded weight copies live in a private view of the weights, so they are freed
+        when an unfolded candidate wins and other executors sharing these weights never see them."""
+        plain_decoder = self.decoder
+        pinned = self.mlp_grid_slack  # None unless the caller pinned it (then no slack candidates)
+        candidates = {"none": (self.graph, plain_decoder, (), pinned)}  # name -> (graph, decoder, folds, slack)
         w = self.w
         extra = w.folded_norm_bytes(("mlp",))
         free, _ = torch.cuda.mem_get_info(self.device)
+        reason = None
+        folded_decoder = None
         if extra > free // 2:  # the copies must not crowd out the KV cache or other executors
-            self.fold_choice = {"chosen": "none", "reason": f"folded copies ({extra / GiB:.2f} GiB) exceed half "
-                                f"the free memory ({free / GiB:.2f} GiB)"}
-            return
-        view = dataclasses.replace(w, layers=[type(lw)(lw) for lw in w.layers])
-        view.add_folded_norms(("mlp",))
-        folded_decoder = copy.copy(plain_decoder)  # same ops object (tests may wrap it), same side stream
-        folded_decoder.w, folded_decoder.fold_norms = view, frozenset(("mlp",))
-        self.decoder = folded_decoder
-        folded_graph = self._capture_step(tok0, pos0)
-        times: dict[str, list[float]] = {"none": [], "mlp": []}
+            reason = f"folded copies ({extra / GiB:.2f} GiB) exceed half the free memory ({free / GiB:.2f} GiB)"
+        else:
+            view = dataclasses.replace(w, layers=[type(lw)(lw) for lw in w.layers])
+            view.add_folded_norms(("mlp",))
+            folded_decoder = copy.copy(plain_decoder)  # same ops object (tests may wrap it), same side stream
+            folded_decoder.w, folded_decoder.fold_norms = view, frozenset(("mlp",))
+        variants = [("mlp", folded_decoder, ("mlp",), pinned)] if folded_decoder else []
+        if self._slack_candidates():
+            variants.append((f"none+slack{MLP_GRID_SLACK}", plain_decoder, (), MLP_GRID_SLACK))
+            if folded_decoder:
+                variants.append((f"mlp+slack{MLP_GRID_SLACK}", folded_decoder, ("mlp",), MLP_GRID_SLACK))
+        for name, decoder, folds, slack in variants:
+            self.decoder = decoder
+            with self._grid_slack(slack):
+                candidates[name] = (self._capture_step(tok0, pos0), decoder, folds, slack)
+        times: dict[str, list[float]] = {name: [] for name in candidates}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for r in range(rounds + 1):  # round 0 warms both up
-            for name, graph in (("none", plain_graph), ("mlp", folded_graph)):
+        for r in range(rounds + 1):  # round 0 warms them up
+            for name, (graph, *_rest) in candidates.items():
                 self.tokens.copy_(tok0)
                 self.position.copy_(pos0)
                 graph.replay()
@@ -250,11 +295,11 @@ class Executor:
                     times[name].append(start.elapsed_time(end) / reps)
         best = {k: min(v) for k, v in times.items()}
         chosen = min(best, key=best.get)
-        self.fold_choice = {"chosen": chosen, "ms_per_step": {k: round(v, 4) for k, v in best.items()}}
-        if chosen == "mlp":
-            self.graph, self.fold_norms = folded_graph, ("mlp",)
-        else:  # the folded graph, decoder and weight view go out of scope here
-            self.graph, self.decoder = plain_graph, plain_decoder
+        self.step_choice = {"chosen": chosen, "ms_per_step": {k: round(v, 4) for k, v in best.items()}}
+        if reason:
+            self.step_choice["reason"] = f"mlp_norm not folded: {reason}"
+        # the losers' graphs, and the folded decoder and weight view when unfolded wins, go out of scope here
+        self.graph, self.decoder, self.fold_norms, self.mlp_grid_slack = candidates[chosen]
         # the kept graph runs last from (tok0, pos0): the buffers and the cache slot are as after a capture
         self.tokens.copy_(tok0)
         self.position.copy_(pos0)

@@ -199,6 +199,10 @@ class KernelOps(TorchOps):
         if torch_predictor:
             self.name = "kernels+torch-predictor"
 
+    def set_mlp_grid_slack(self, sms: int) -> int:
+        """The fused MLP's grid sized for `sms` fewer SMs (kernels.set_mlp_grid_slack); returns the previous."""
+        return self.k.set_mlp_grid_slack(sms)
+
     def norm(self, x, weight, bias, kind, eps):
         d = x.shape[-1]
         if x.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 16384 and x.is_contiguous() \

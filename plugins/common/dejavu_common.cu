@@ -22,4 +22,11 @@ DJV_API int djv_workspace_prepare(void* workspace, size_t workspace_bytes, cudaS
     return (int)cudaMemsetAsync(workspace, 0, djv::kCounterBytes, stream);
 }
 
+DJV_API int djv_set_mlp_grid_slack(int sms) {
+    if (sms < 0 || sms > djv::sm_count() / 2) return DJV_E_SHAPE;
+    const int prev = djv::mlp_grid_slack();
+    djv::mlp_grid_slack() = sms;
+    return prev;
+}
+
 }  // extern "C"

@@ -31,8 +31,8 @@ extern "C" {
 #define DJV_API __attribute__((visibility("default")))
 #endif
 
-#define DJV_ABI_VERSION 4  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
-                              4: norm folding (djv_row_stats, djv_*_folded) */
+#define DJV_ABI_VERSION 5  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
+                              4: norm folding (djv_row_stats, djv_*_folded); 5: djv_set_mlp_grid_slack */
 
 enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
 enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
@@ -52,6 +52,13 @@ DJV_API const char* djv_status_string(int status);
 
 /* Zero the counter region of a workspace (one cudaMemsetAsync of a few hundred bytes at its start). */
 DJV_API int djv_workspace_prepare(void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+/* Size the fused MLP's grid (sm_90, batch <= 4) for `sms` fewer SMs than the device has, so that it fits
+ * beside the CTAs of kernels on other streams (the predictor's top-k holds two whole SMs). Process-wide, read
+ * when a call is enqueued (a captured CUDA graph keeps the grid it was captured with); the workspace a call
+ * needs only shrinks with it. Default: DJV_MLP_SLACK from the environment, else 0. Returns the previous
+ * value, or DJV_E_SHAPE when sms is outside [0, SM count / 2]. */
+DJV_API int djv_set_mlp_grid_slack(int sms);
 
 /* ---- DejaVuLookaheadPredictor -------------------------------------------------------------
  * h [B,d]; mlp_a [d,r_m]; mlp_b [r_m,Nb]; head_a [d,r_h]; head_b [r_h,H] -> mlp_idx [K], head_idx [Kh]

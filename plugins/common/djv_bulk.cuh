@@ -73,13 +73,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
 #endif
 }
 
-// Complete a barrier phase with no copies (one arrival): the pool's end-of-work marker in the MLP's ring.
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-#ifdef DJV_BULK
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-#endif
-}
-
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
 #ifdef DJV_BULK
     asm volatile(

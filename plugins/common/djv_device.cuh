@@ -324,17 +324,16 @@ inline int env_int(const char* name, int lo, int hi, int fallback) {
 }
 
 inline int sm_count();
-// SMs the row kernels' grids are sized for. DJV_SK_SLACK=k (A/B runs) leaves k SMs' worth of room, so that a
-// grid fits beside the CTAs of the predictor's side stream.
-inline int grid_sms() {
-    static const int slack = env_int("DJV_SK_SLACK", 0, 64, 0);
-    return sm_count() - slack;
+// SMs the fused MLP's grid leaves free (djv_set_mlp_grid_slack); one value per library.
+inline int& mlp_grid_slack() {
+    static int slack = env_int("DJV_MLP_SLACK", 0, 64, 0);
+    return slack;
 }
 inline StreamK plan_streamk(long long items, int per_item, int min_q, int warps_per_sm = kSkWarpsPerSm) {
     StreamK k;
     k.per_item = per_item;
     k.total = items * per_item;
-    const long long wmax = (long long)grid_sms() * warps_per_sm;
+    const long long wmax = (long long)sm_count() * warps_per_sm;
     long long q = (k.total + wmax - 1) / wmax;
     if (q < min_q) q = min_q;
     k.q = (int)q;

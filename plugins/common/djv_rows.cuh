@@ -137,7 +137,7 @@ inline int rows_down_warps_per_sm() {
 inline RowsDownPlan plan_rows_down(int d, int M, int B) {
     RowsDownPlan p;
     p.S = cdiv(d, kRowChunk);
-    const long long want = (long long)grid_sms() * (B == 1 ? rows_down_warps_per_sm() : kSkWarpsPerSm);  // one wave
+    const long long want = (long long)sm_count() * (B == 1 ? rows_down_warps_per_sm() : kSkWarpsPerSm);  // one wave
     long long r = ((long long)M * p.S + want - 1) / want;
     p.R = (int)(r < 8 ? 8 : r);
     p.C = cdiv(M, p.R);

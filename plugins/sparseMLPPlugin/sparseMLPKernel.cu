@@ -33,7 +33,7 @@ template <int ACT> __device__ __forceinline__ float activate(float u) {
 // refills that stage. Partials part[c][b][:] are summed in CTA order by rows_reduce_kernel (deterministic).
 constexpr int kBulkMaxThreads = 256;  // few warps: the per-neuron CTA reduction stays short
 constexpr int kBulkMaxStages = 8;
-constexpr size_t kBulkHeader = 2048;  // mbarriers [0, 128), dot sums and norm [128, 1024), pooled rows [1024, 1056)
+constexpr size_t kBulkHeader = 2048;  // mbarriers [0, 128), cross-warp dot sums [128, 2048)
 constexpr size_t kBulkSmPerSm = 200 * 1024;
 
 // The folded-norm extras of djv_sparse_mlp_folded (djv_stats.cuh); all null/zero for djv_sparse_mlp.
@@ -44,15 +44,8 @@ struct Fold {
     float2* y_stats;
 };
 
-// Static runs (pool == 0): CTA c owns per (+1 for c < rem) consecutive active neurons. Remainder pool
-// (pool = rem > 0): every CTA owns `per` neurons, and the last rem are claimed one at a time, from a counter in
-// the workspace, by the CTAs that finish first. So a grid sized for fewer SMs than the device has (room for
-// the predictor's CTAs on the side stream) does not cost a whole extra neuron on the CTAs that would have
-// owned per + 1. A pooled neuron writes its own partial of y (slot ctas + ticket), so the sums do not depend
-// on which CTA claimed it: results stay bit-reproducible.
 struct BulkPlan {
     int vpt, threads, stages, ctas, per, rem;
-    int pool;  // neurons claimed at run time (0: static runs); partials: ctas + pool
     size_t smem;
 };
 
@@ -88,9 +81,8 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     static const int per_sm_cap = env_int("DJV_MLP_PER_SM", 1, 4, 0);  // A/B runs only: fewer CTAs per SM
     if (per_sm_cap && per_sm > per_sm_cap) per_sm = per_sm_cap;
     const size_t cap = (size_t)smem_optin() < kBulkSmPerSm / per_sm ? (size_t)smem_optin() : kBulkSmPerSm / per_sm;
-    // DJV_MLP_SLACK=k (A/B runs): size the grid for k fewer SMs, so that it fits beside CTAs of the side stream
-    static const int slack = env_int("DJV_MLP_SLACK", 0, 64, 0);
-    const int slots = per_sm * (sm_count() - slack);
+    // Grid slack (djv_set_mlp_grid_slack): sized for k fewer SMs, so that it fits beside the predictor's CTAs
+    const int slots = per_sm * (sm_count() - mlp_grid_slack());
     const int ctas = M < slots ? M : slots;
     const size_t head = kBulkHeader + bulk_table_bytes(M / ctas + 1);
     if (cap < head + 2 * stage) return p;
@@ -100,8 +92,6 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     p.ctas = ctas;
     p.per = M / p.ctas;
     p.rem = M % p.ctas;
-    static const int pool_on = env_int("DJV_MLP_POOL", 0, 1, 0);
-    p.pool = pool_on ? p.rem : 0;
     return p;
 }
 
@@ -110,7 +100,7 @@ template <typename T, int NB, int ACT, int VPT, bool FOLD>
 __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_bulk_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ idx, int bs, const T* __restrict__ w_gate,
     const T* __restrict__ w_up, const T* __restrict__ b_up, const T* __restrict__ w_down_t, float* __restrict__ part,
-    const float2* __restrict__ x_stats, int rms, float eps, unsigned* __restrict__ ctr, int B, int d, BulkPlan p) {
+    const float2* __restrict__ x_stats, int rms, float eps, int B, int d, BulkPlan p) {
 #ifdef DJV_BULK
     constexpr int NMAT = ACT == DJV_SILU_GLU ? 2 : 1;  // up-side rows per neuron
     constexpr int NSEG = NMAT + 1;
@@ -119,49 +109,19 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     extern __shared__ __align__(128) unsigned char smem[];
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
     float* red = reinterpret_cast<float*>(smem + 128);  // [2][8 warps][NV]
-    int* rowq = reinterpret_cast<int*>(smem + 1024);  // [stages]: pooled neurons' rows
-    int* tkq = rowq + kBulkMaxStages;  // [stages]: their tickets (partial slot ctas + ticket), -1 = no more work
     int* rowtab = reinterpret_cast<int*>(smem + kBulkHeader);  // [p.per + 1]
     T* ring = reinterpret_cast<T*>(smem + kBulkHeader + bulk_table_bytes(p.per + 1));
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
-    const int j0 = p.pool ? (int)blockIdx.x * p.per : blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
-    const int n = p.pool ? p.per : p.per + ((int)blockIdx.x < p.rem ? 1 : 0);  // own neurons
+    const int j0 = blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
+    const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
     const unsigned seg_bytes = (unsigned)d * sizeof(T);
     const uint64_t pol = l2_evict_first_policy();
     pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
 
-    // Pool claims, thread 0 only. Every CTA claims tickets until it draws one past the pool, so a call makes
-    // exactly pool + ctas claims, and the CTA that draws the last leaves the counter at zero for the next call.
-    // A claim is issued one neuron before its ticket is needed, so thread 0 does not wait for the round trip.
-    int ahead = -1;  // ticket of a claim in flight, -1 none
-    bool ended = false;
-    auto take = [&]() {
-        const int t = ahead >= 0 ? ahead : (int)atomicAdd(ctr, 1u);
-        ahead = -1;
-        if (t == p.pool + (int)gridDim.x - 1) *ctr = 0u;
-        if (t >= p.pool) return -1;
-        ahead = (int)atomicAdd(ctr, 1u);  // for the next pooled neuron
-        return t;
-    };
     auto issue = [&](int j) {  // thread 0: neuron j's rows into stage j % stages
         const int s = j % p.stages;
-        int r;
-        if (j < n) {
-            r = rowtab[j];
-            if (p.pool && j == n - 1) ahead = (int)atomicAdd(ctr, 1u);
-        } else {  // pooled
-            const int t = ended ? -1 : take();
-            tkq[s] = t;
-            if (t < 0) {
-                ended = true;
-                mbar_arrive(&bars[s]);  // the end marker
-                return;
-            }
-            r = expand_row(idx, p.ctas * p.per + t, bs);
-            rowq[s] = r;
-        }
-        const size_t row = (size_t)r;
+        const size_t row = (size_t)rowtab[j];
         T* dst = ring + (size_t)s * NSEG * d;
         mbar_expect_tx(&bars[s], NSEG * seg_bytes);
         if (NMAT == 2) bulk_load(dst, w_gate + row * d, seg_bytes, &bars[s], pol);
@@ -218,21 +178,12 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             }
         }
     }
-    if (p.pool && tid == 0)  // a CTA with fewer own neurons than stages
-        for (int j = n; j < p.stages && !ended; ++j) issue(j);
     float acc[NB][VPT][8] = {};
 
-    for (int j = 0;; ++j) {
-        if (j >= n && !p.pool) break;
+    for (int j = 0; j < n; ++j) {
         const int s = j % p.stages;
-        float bias = (NMAT == 1 && b_up && j < n) ? to_f(b_up[rowtab[j]]) : 0.f;
+        const float bias = (NMAT == 1 && b_up) ? to_f(b_up[rowtab[j]]) : 0.f;
         mbar_wait(&bars[s], (unsigned)(j / p.stages) & 1u);
-        int ticket = -1;
-        if (j >= n) {  // pooled neuron, or the end marker (uniform across the CTA)
-            ticket = tkq[s];
-            if (ticket < 0) break;
-            if (NMAT == 1 && b_up) bias = to_f(b_up[rowq[s]]);
-        }
         const T* st = ring + (size_t)s * NSEG * d;
         float dot[NMAT][NB] = {};
 #pragma unroll
@@ -265,7 +216,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             }
         __syncthreads();
         // Every thread is past neuron j-1's down row: its stage is free.
-        if (tid == 0 && j >= 1 && (j - 1 + p.stages < n || (p.pool && !ended))) {
+        if (tid == 0 && j >= 1 && j - 1 + p.stages < n) {
             fence_proxy_async();
             issue(j - 1 + p.stages);
         }
@@ -290,16 +241,6 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             if (c >= d) continue;
             float wf[8];
             unpack8<T>(*reinterpret_cast<const uint4*>(st + (size_t)NMAT * d + c), wf);
-            if (ticket >= 0) {  // pooled: its own partial slot
-#pragma unroll
-                for (int b = 0; b < NB; ++b) {
-                    if (b >= B) break;
-                    float4* dst = reinterpret_cast<float4*>(part + (((size_t)gridDim.x + ticket) * B + b) * d + c);
-                    dst[0] = make_float4(a[b] * wf[0], a[b] * wf[1], a[b] * wf[2], a[b] * wf[3]);
-                    dst[1] = make_float4(a[b] * wf[4], a[b] * wf[5], a[b] * wf[6], a[b] * wf[7]);
-                }
-                continue;
-            }
 #pragma unroll
             for (int b = 0; b < NB; ++b)
 #pragma unroll
@@ -323,24 +264,24 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
 
 template <typename T, int NB, int ACT, int VPT>
 cudaError_t run_bulk(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg, const T* wu,
-                     const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, unsigned* ctr,
-                     const Fold& f, int B, int d, cudaStream_t st) {
+                     const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part, const Fold& f, int B,
+                     int d, cudaStream_t st) {
     auto* k = f.x_stats ? mlp_bulk_kernel<T, NB, ACT, VPT, true> : mlp_bulk_kernel<T, NB, ACT, VPT, false>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bp.smem);
     if (e != cudaSuccess) return e;
     e = launch_pdl(k, dim3(bp.ctas), dim3(bp.threads), bp.smem, st, x, idx, bs, wg, wu, bu, wd, part, f.x_stats,
-                   f.rms, f.eps, ctr, B, d, bp);
+                   f.rms, f.eps, B, d, bp);
     if (e != cudaSuccess) return e;
-    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas + bp.pool, st, f.y_stats);
+    return launch_rows_reduce<T>(part, bd, res, y, B, d, bp.ctas, st, f.y_stats);
 }
 
 template <typename T, int ACT>
 cudaError_t run_bulk_any(const BulkPlan& bp, const T* x, const int32_t* idx, int bs, const T* wg,
                          const T* wu, const T* bu, const T* wd, const T* bd, const T* res, T* y, float* part,
-                         unsigned* ctr, const Fold& f, int B, int d, cudaStream_t st) {
+                         const Fold& f, int B, int d, cudaStream_t st) {
 #define DJV_BULK_CASE(NB_, VPT_)                                                                     \
     if (rows_nb(B) == NB_ && bp.vpt == VPT_)                                                         \
-        return run_bulk<T, NB_, ACT, VPT_>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, ctr, f, B, d, st);
+        return run_bulk<T, NB_, ACT, VPT_>(bp, x, idx, bs, wg, wu, bu, wd, bd, res, y, part, f, B, d, st);
     DJV_BULK_CASE(1, 1) DJV_BULK_CASE(1, 2) DJV_BULK_CASE(1, 4) DJV_BULK_CASE(1, 8)
     DJV_BULK_CASE(2, 1) DJV_BULK_CASE(2, 2) DJV_BULK_CASE(2, 4)
     DJV_BULK_CASE(4, 1) DJV_BULK_CASE(4, 2)
@@ -454,7 +395,7 @@ MlpPlan plan_mlp(int B, int d, int K, int bs, int act, size_t esize) {
         p.up_items = 0;
         size_t o = kCounterBytes;
         p.off_act = p.off_up = p.off_down = o;
-        p.off_xn = align_up(o + (size_t)(p.bulk.ctas + p.bulk.pool) * B * d * 4, 256);
+        p.off_xn = align_up(o + (size_t)p.bulk.ctas * B * d * 4, 256);
         p.total = align_up(p.off_xn + (size_t)B * d * esize, 256);
         return p;
     }
@@ -537,9 +478,9 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     }
     if (p.bulk.ctas > 0) {
         switch (act) {
-        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, ctr_up, g, B, d, st);
-        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, ctr_up, g, B, d, st);
-        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, ctr_up, g, B, d, st);
+        case DJV_RELU: return (int)run_bulk_any<T, DJV_RELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, g, B, d, st);
+        case DJV_GELU: return (int)run_bulk_any<T, DJV_GELU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, g, B, d, st);
+        default: return (int)run_bulk_any<T, DJV_SILU_GLU>(p.bulk, xt, idx, bs, wg, wu, bu, wd, bd, rt, yt, pd, g, B, d, st);
         }
     }
     switch (act) {

@@ -157,25 +157,35 @@ def test_graph_and_side_stream_do_not_change_results(ops, batch):
 @pytest.mark.parametrize("family", ["llama", "opt"])
 @pytest.mark.parametrize("kv_policy", ["dense", "active"])
 def test_batch1_auto_fold_keeps_the_timed_graph(family, kv_policy, monkeypatch):
-    """Batch 1's default (auto) captures the step unfolded and with mlp_norm folded, times both and keeps
-    the faster: its logits are bit for bit those of an executor pinned to the kept choice (the trial replays
-    leave no trace in the cache), and the shared weights gain no folded copies."""
-    from dejavu_trt.runtime.executor import Executor
+    """Batch 1's default (auto) captures the step unfolded and with mlp_norm folded, each also with the fused
+    MLP's grid leaving the predictor's SMs free (sm_90), times them all and keeps the fastest: its logits are
+    bit for bit those of an executor pinned to the kept choice (the trial replays leave no trace in the
+    cache), the shared weights gain no folded copies, and the library's grid setting is left as it was."""
+    from dejavu_trt import kernels
+    from dejavu_trt.runtime.executor import MLP_GRID_SLACK, Executor
     monkeypatch.delenv("DEJAVU_FOLD_NORMS", raising=False)
     gw, _ = _weights(family, "cuda", torch.float16, kv_policy=kv_policy)
     if any(k.endswith("_nf") for lw in gw.layers for k in lw):
         pytest.fail("the cached test weights already hold folded copies: the no-trace check cannot run")
     prompt = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(6))
+    before = kernels.set_mlp_grid_slack(0)  # read the library's setting (0 unless DJV_MLP_SLACK is set)
+    kernels.set_mlp_grid_slack(before)
     auto = Executor(gw, ops="kernels", batch=1, max_context=32)
-    assert auto.fold_auto and auto.fold_norms == () and auto.fold_choice is None
+    assert auto.fold_auto and auto.fold_norms == () and auto.step_choice is None
     got = _decode(auto, prompt, 6)
-    choice = auto.fold_choice
-    assert choice is not None and choice["chosen"] in ("none", "mlp"), choice
-    assert set(choice["ms_per_step"]) == {"none", "mlp"} and all(v > 0 for v in choice["ms_per_step"].values())
-    assert auto.fold_norms == (("mlp",) if choice["chosen"] == "mlp" else ())
+    choice = auto.step_choice
+    names = {"none", "mlp"}
+    if torch.cuda.get_device_capability()[0] >= 9:
+        names |= {f"none+slack{MLP_GRID_SLACK}", f"mlp+slack{MLP_GRID_SLACK}"}
+    assert choice is not None and set(choice["ms_per_step"]) == names, choice
+    assert choice["chosen"] in names and all(v > 0 for v in choice["ms_per_step"].values())
+    kept = ("mlp",) if choice["chosen"].startswith("mlp") else ()
+    slack = MLP_GRID_SLACK if choice["chosen"].endswith("slack2") else None
+    assert auto.fold_norms == kept and auto.mlp_grid_slack == slack
     assert not any(k.endswith("_nf") for lw in gw.layers for k in lw)
-    kept = ("mlp",) if choice["chosen"] == "mlp" else ()
-    pinned = _decode(Executor(gw, ops="kernels", batch=1, max_context=32, fold_norms=kept), prompt, 6)
+    assert kernels.set_mlp_grid_slack(before) == before  # the candidates' captures restored the setting
+    pinned = _decode(Executor(gw, ops="kernels", batch=1, max_context=32, fold_norms=kept, mlp_grid_slack=slack),
+                     prompt, 6)
     assert torch.equal(got, pinned)
     # without a CUDA graph there is nothing to time: the eager executor stays unfolded
     eager = Executor(gw, ops="kernels", batch=1, max_context=32, cuda_graph=False)

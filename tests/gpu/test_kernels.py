@@ -5,6 +5,7 @@ finite check. Tolerances are relative L2 errors: fp16/bf16 inputs, fp32 accumula
 rounded to the I/O dtype between the two projections (as HF does).
 """
 import math
+import os
 
 import pytest
 import torch
@@ -92,6 +93,30 @@ def test_sparse_mlp_workspace_for_max_batch_serves_every_batch():
         x = x16[:B].contiguous()
         y = kernels.sparse_mlp(x, idx, activation="relu", workspace=ws, **p)
         assert torch.equal(y, kernels.sparse_mlp(x, idx, activation="relu", **p)), B
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_sparse_mlp_grid_slack(B):
+    """The fused MLP's grid sized for fewer SMs (set_mlp_grid_slack, batch 1's slack candidates) splits the
+    neurons differently among its CTAs: the result must still match the fp64 reference, differ from the
+    whole-device grid's (else the setting did not reach the kernel), and the setting must read back."""
+    d, N, K = 5120, 20480, 5120  # OPT-13B at 25% kept: 396 CTAs at B=1 on an H200, 384 with 4 SMs of slack
+    x, p = make_mlp(B, d, N, "relu", torch.float16)
+    idx = rand_idx(N, K)
+    whole = kernels.sparse_mlp(x, idx, activation="relu", **p)
+    before = kernels.set_mlp_grid_slack(4)  # 0 unless DJV_MLP_SLACK is set
+    try:
+        short = torch.full_like(whole, float("nan"))
+        kernels.sparse_mlp(x, idx, activation="relu", out=short, **p)
+    finally:
+        assert kernels.set_mlp_grid_slack(before) == 4
+    want = ref.sparse_mlp(x.double(), idx, activation="relu", **{k: d64(v) for k, v in p.items()})
+    for y in (whole, short):
+        assert torch.isfinite(y).all() and relerr(y, want) < TOL[torch.float16]
+    if torch.cuda.get_device_capability()[0] >= 9 and not os.environ.get("DJV_NO_BULK") and before != 4:
+        assert not torch.equal(short, whole), "the slack changed nothing: the fused kernel ignored the setting"
+    with pytest.raises(ValueError):
+        kernels.set_mlp_grid_slack(-1)
 
 
 @pytest.mark.parametrize("alias", [False, True], ids=["out", "in-place"])
