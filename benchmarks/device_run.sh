@@ -23,6 +23,7 @@
 # fold-shapes: batch 1's mlp_norm fold A/B at OPT shapes of other hidden sizes (FOLD_DS="1024 2048 ...",
 # FOLD_ENV=ENV=VAL for an A/B setting, e.g. DJV_MLP_PER_SM=2).
 # profile-fold: per-kernel times with mlp_norm folded and not, at FOLD_DS (PROFILE_ENV=DJV_NO_PDL=1 for own times).
+# first-step: wall time of batch 1's first decode step, the timed choice (auto) vs an executor pinned to it.
 # partial-sums: the partial-sum reduction kernel against fp32 atomics into the norm's input (probes/partial_sums.cu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -149,6 +150,9 @@ for step in "$@"; do
                 grep -E ' us/step ' "$LOGS/profile-d$d-$fold.log" | head -14 | cut -c1-120
             done
         done ;;
+    first-step)  # wall time of batch 1's first decode step: auto (the timed choice) vs pinned to its choice
+        run first-step -- $PY benchmarks/probes/first_step.py --hidden 5120 2048
+        grep -E '^\{"hidden"' "$LOGS/first-step.log" | cut -c1-200 ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
