@@ -343,3 +343,22 @@ def test_metrics_port_serves_prometheus_text(llama_pkg):
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for name in ("dejavu_predictor_accuracy_ratio", "dejavu_active_sparsity_percentage", "inference_tbt_latency_ms_bucket"):
         assert name in body
+
+
+def test_mlp_grid_slack_needs_the_kernels():
+    """Pinning the fused MLP's grid (Executor(mlp_grid_slack=)) only means something with the CUDA kernels;
+    other backends say so instead of ignoring it."""
+    from dejavu_trt.errors import DejaVuError
+    from dejavu_trt.models.adapters import adapter_for
+    from dejavu_trt.runtime.decoder import DecoderWeights
+    from dejavu_trt.runtime.executor import Executor
+    from dejavu_trt.runtime.package import EngineConfig, engine_weights
+    ad = adapter_for(_tiny("opt", vocab=512))
+    dims = ad.dims()
+    w, extra = engine_weights(ad)
+    cfg = EngineConfig("t", dims.to_dict(), "fp32", [40, 17], [1, 3], max_context=32, **extra)
+    dw = DecoderWeights.from_tensors(cfg, w, _predictors(dims))
+    for ops in ("reference", "torch"):
+        with pytest.raises(DejaVuError, match="mlp_grid_slack needs the CUDA kernels"):
+            Executor(dw, ops=ops, batch=1, max_context=16, mlp_grid_slack=2)
+    assert Executor(dw, ops="reference", batch=1, max_context=16).mlp_grid_slack is None
