@@ -40,6 +40,10 @@ Norm folding (the CUDA executor's; not part of the op contract): ``row_stats(z) 
 norm(x) without its affine part (the caller folds the norm's weight and bias into the op's weights,
 ``fold_norm``), and ``y_stats=`` (a tensor from ``empty_stats``) to receive the statistics of y.
 
+``set_mlp_grid_slack(sms) -> previous``: the fused sm_90 MLP's grid sized for ``sms`` fewer SMs, leaving
+room for the predictor's top-k CTAs on its side stream (process-wide; batch 1's timed step choice in the
+executor uses it).
+
 Limits (checked, ValueError otherwise): 1 <= B <= 16; d % 8 == 0; head_dim in {64, 128, 256};
 predictor ranks <= 2048. ``*_workspace_size`` give the byte counts.
 """
