@@ -362,3 +362,16 @@ def test_mlp_grid_slack_needs_the_kernels():
         with pytest.raises(DejaVuError, match="mlp_grid_slack needs the CUDA kernels"):
             Executor(dw, ops=ops, batch=1, max_context=16, mlp_grid_slack=2)
     assert Executor(dw, ops="reference", batch=1, max_context=16).mlp_grid_slack is None
+
+
+def test_bench_names_the_timed_step_variant():
+    """`dejavu-trt bench` says which step variant batch 1's timed choice kept, with what each measured."""
+    from dejavu_trt.cli.runtime import step_variant_line
+    assert step_variant_line({"step_choice": None}) is None
+    line = step_variant_line({"step_choice": {"chosen": "mlp+slack2", "ms_per_step": {
+        "none": 2.857, "mlp": 2.93, "none+slack2": 2.868, "mlp+slack2": 2.7617}}})
+    assert line.startswith("sparse step: mlp_norm folded, fused MLP grid 2 SMs short")
+    assert "mlp+slack2 2.762" in line and "none 2.857" in line
+    line = step_variant_line({"step_choice": {"chosen": "none", "ms_per_step": {"none": 1.0},
+                                              "reason": "mlp_norm not folded: copies too large"}})
+    assert line.startswith("sparse step: mlp_norm unfolded (") and line.endswith("copies too large")

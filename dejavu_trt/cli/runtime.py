@@ -105,6 +105,19 @@ def bench(
     _print_bench(res)
 
 
+def step_variant_line(sparse: dict) -> str | None:
+    """What batch 1's timed choice picked for the sparse step (GPU executor), or None when nothing was timed."""
+    choice = sparse.get("step_choice")
+    if not choice or "ms_per_step" not in choice:
+        return None
+    names = {"none": "mlp_norm unfolded", "mlp": "mlp_norm folded"}
+    base, _, slack = choice["chosen"].partition("+")
+    what = names.get(base, base) + (f", fused MLP grid {slack.removeprefix('slack')} SMs short" if slack else "")
+    timed = ", ".join(f"{k} {v:.3f}" for k, v in choice["ms_per_step"].items())
+    line = f"sparse step: {what} (timed at the first decode step, ms/step: {timed})"
+    return line + (f"; {choice['reason']}" if choice.get("reason") else "")
+
+
 def _print_bench(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -118,6 +131,9 @@ def _print_bench(res: dict) -> None:
     c.print(t)
     if res.get("copy_bandwidth_gb_s"):
         c.print(f"device copy bandwidth (read+write): {res['copy_bandwidth_gb_s']:.0f} GB/s")
+    variant = step_variant_line(res["sparse"])
+    if variant:
+        c.print(variant)
     cost = res["cost"]
     unit = "GPU" if res["device"] != "cpu" else "device (CPU reference executor: not a GPU forecast)"
     c.print(f"speedup sparse vs dense: {res['speedup']:.2f}x; tokens/s per {unit}: dense "
