@@ -324,9 +324,10 @@ inline int env_int(const char* name, int lo, int hi, int fallback) {
 }
 
 inline int sm_count();
-// SMs the fused MLP's grid leaves free (djv_set_mlp_grid_slack); one value per library.
+// SMs the fused MLP's grid leaves free (djv_set_mlp_grid_slack); one value per library. The environment's
+// start value obeys the setter's range, [0, SM count / 2], so the grid never runs out of SMs.
 inline int& mlp_grid_slack() {
-    static int slack = env_int("DJV_MLP_SLACK", 0, 64, 0);
+    static int slack = env_int("DJV_MLP_SLACK", 0, sm_count() / 2, 0);
     return slack;
 }
 inline StreamK plan_streamk(long long items, int per_item, int min_q, int warps_per_sm = kSkWarpsPerSm) {

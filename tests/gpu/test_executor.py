@@ -180,7 +180,7 @@ def test_batch1_auto_fold_keeps_the_timed_graph(family, kv_policy, monkeypatch):
     assert choice is not None and set(choice["ms_per_step"]) == names, choice
     assert choice["chosen"] in names and all(v > 0 for v in choice["ms_per_step"].values())
     kept = ("mlp",) if choice["chosen"].startswith("mlp") else ()
-    slack = MLP_GRID_SLACK if choice["chosen"].endswith("slack2") else None
+    slack = MLP_GRID_SLACK if choice["chosen"].endswith(f"slack{MLP_GRID_SLACK}") else None
     assert auto.fold_norms == kept and auto.mlp_grid_slack == slack
     assert not any(k.endswith("_nf") for lw in gw.layers for k in lw)
     assert kernels.set_mlp_grid_slack(before) == before  # the candidates' captures restored the setting
