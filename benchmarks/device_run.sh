@@ -23,6 +23,7 @@
 # fold-shapes: batch 1's mlp_norm fold A/B at OPT shapes of other hidden sizes (FOLD_DS="1024 2048 ...",
 # FOLD_ENV=ENV=VAL for an A/B setting, e.g. DJV_MLP_PER_SM=2).
 # profile-fold: per-kernel times with mlp_norm folded and not, at FOLD_DS (PROFILE_ENV=DJV_NO_PDL=1 for own times).
+# e2e-bN[:ENV=VAL,...]: bench_e2e --core at batch N only.
 # first-step: wall time of batch 1's first decode step, the timed choice (auto) vs an executor pinned to it.
 # partial-sums: the partial-sum reduction kernel against fp32 atomics into the norm's input (probes/partial_sums.cu).
 set -uo pipefail
@@ -81,6 +82,10 @@ for step in "$@"; do
     attn) run attn -- $PY benchmarks/bench_kernels.py --focus --quick --only attn --json "$LOGS/attn.json" ;;
     e2e) run e2e -- $PY "${E2E_ALL[@]}" --json-out "$LOGS/e2e.json" ;;
     e2e-core) run e2e-core -- $PY "${E2E_CORE[@]}" ;;  # dense, sparse, and sparse with mlp_norm unfolded, B=1/4
+    e2e-b[0-9]*)  # bench_e2e --core at one batch size, with optional settings: e2e-b1, e2e-b2:DJV_MLP_SLACK=2
+        IFS=, read -ra kv <<< "$( [[ $step == *:* ]] && echo "${step#*:}" )"
+        b=${step%%:*}; b=${b#e2e-b}
+        run "$step" "${kv[@]}" -- $PY benchmarks/bench_e2e.py --opt13b --core --batches "$b" ;;
     e2e-core:*|e2e:*|tests:*|tests-mlp:*|tests-pred:*|attn:*|mlp:*|pred:*)  # with environment settings, e.g. e2e-core:DEJAVU_FOLD_NORMS=all,DJV_FOLD_IN_MLP=0
         IFS=, read -ra kv <<< "${step#*:}"
         case ${step%%:*} in

@@ -322,6 +322,8 @@ PRED_CASES = [  # B, d, r_m, Nb, K, r_h, H, Kh
     (2, 256, 16, 32768, 9000, 16, 8, 3),      # the most keys the register top-k takes
     (1, 256, 16, 32769, 31000, 16, 8, 7),     # one more: the shared-memory top-k, K close to n
     (4, 256, 16, 4097, 1, 16, 8, 8),          # K = 1 and K = all heads
+    (1, 256, 16, 3000, 300, 16, 1024, 517),   # the most heads the one-warp heads top-k takes
+    (2, 256, 16, 3000, 300, 16, 1025, 40),    # one more: the heads in the top-k kernel's second CTA
 ]
 
 
@@ -366,6 +368,72 @@ def test_predictor_ties_go_to_lower_index():
     else:
         want = torch.arange(K)
     assert torch.equal(mi.cpu().long(), want.sort().values)
+
+
+@pytest.mark.parametrize("H,Kh", [(40, 8), (40, 40), (9, 1), (1024, 1000), (1025, 3)])
+def test_predictor_heads_ties_go_to_lower_index(H, Kh):
+    """The heads' selection (one warp up to 1024 heads, else a CTA) under ties: every head scores the same
+    except a clear winner at H - 1, so the kept heads are the lowest indices (plus the winner when it is up)."""
+    B, d, r = 1, 64, 8
+    h = rand(B, d, dtype=torch.float16)
+    ma, mb = rand(d, r, dtype=torch.float16, scale=0.1), rand(r, 100, dtype=torch.float16)
+    ha = rand(d, r, dtype=torch.float16, scale=0.1)
+    col = rand(r, 1, dtype=torch.float16)
+    hb = col.expand(r, H).contiguous()  # every head scores the same ...
+    hb[:, H - 1] = hb[:, H - 1] + 1.0   # ... except one clear winner (up or down)
+    mi = torch.full((10,), -7, device="cuda", dtype=torch.int32)
+    hi = torch.full((Kh,), -7, device="cuda", dtype=torch.int32)
+    kernels.predictor(h, ma, mb, ha, hb, kept_units=10, kept_heads=Kh, out=(mi, hi))
+    s = ref.predictor_scores(h.float(), ha.float(), hb.float()).amax(0)
+    if Kh == H:
+        want = torch.arange(H)
+    elif s[H - 1] > s[0]:
+        want = torch.cat([torch.arange(Kh - 1), torch.tensor([H - 1])])
+    else:
+        want = torch.arange(Kh)
+    assert torch.equal(hi.cpu().long(), want)
+
+
+def test_predictor_join_event_covers_both_parts():
+    """The heads' top-k runs concurrently with the units' top-k CTA, on the same stream. The event recorded
+    after the call on a side stream must cover both: indices poisoned before each call and read on the main
+    stream right after the join must be complete every time (eagerly and replayed in a CUDA graph)."""
+    B, d, r_m, Nb, K, r_h, H, Kh = 1, 5120, 128, 20480, 5120, 64, 40, 8  # the OPT-13B benchmark shape
+    dtype = torch.float16
+    h = rand(B, d, dtype=dtype, scale=3.0)
+    ma, mb = rand(d, r_m, dtype=dtype, scale=d ** -0.5), rand(r_m, Nb, dtype=dtype, scale=r_m ** -0.5)
+    ha, hb = rand(d, r_h, dtype=dtype, scale=d ** -0.5), rand(r_h, H, dtype=dtype, scale=r_h ** -0.5)
+    want_mi, want_hi = kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=Kh)
+    torch.cuda.synchronize()
+    assert want_mi.min() >= 0 and want_hi.min() >= 0  # test_predictor checks the selection itself
+    mi = torch.empty_like(want_mi)
+    hi = torch.empty_like(want_hi)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    got = []
+
+    def one_step():
+        mi.fill_(-7)
+        hi.fill_(-7)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=Kh, out=(mi, hi))
+            ev = torch.cuda.Event()
+            ev.record(side)
+        main.wait_event(ev)
+        return torch.cat([mi, hi])  # read on the main stream after the join
+
+    for _ in range(40):
+        got.append(one_step())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = one_step()
+    for _ in range(40):
+        g.replay()
+        got.append(out.clone())
+    torch.cuda.synchronize()
+    want = torch.cat([want_mi, want_hi])
+    bad = [i for i, t in enumerate(got) if not torch.equal(t, want)]
+    assert not bad, f"{len(bad)} of {len(got)} joins read incomplete indices (first: call {bad[0]})"
 
 
 @pytest.mark.parametrize("Nb,K", [(20480, 5120), (60000, 15001)])
