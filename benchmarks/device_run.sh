@@ -24,6 +24,8 @@
 # FOLD_ENV=ENV=VAL for an A/B setting, e.g. DJV_MLP_PER_SM=2).
 # profile-fold: per-kernel times with mlp_norm folded and not, at FOLD_DS (PROFILE_ENV=DJV_NO_PDL=1 for own times).
 # e2e-bN[:ENV=VAL,...]: bench_e2e --core at batch N only.
+# timeline: the CUDA-graph step's kernel timeline under torch.profiler, each kernel's share of the step
+# (TIMELINE_DS="5120 ...", TIMELINE_ENV=ENV=VAL).
 # first-step: wall time of batch 1's first decode step, the timed choice (auto) vs an executor pinned to it.
 # partial-sums: the partial-sum reduction kernel against fp32 atomics into the norm's input (probes/partial_sums.cu).
 set -uo pipefail
@@ -158,6 +160,11 @@ for step in "$@"; do
     first-step)  # wall time of batch 1's first decode step: auto (the timed choice) vs pinned to its choice
         run first-step -- $PY benchmarks/probes/first_step.py --hidden 5120 2048
         grep -E '^\{"hidden"' "$LOGS/first-step.log" | cut -c1-200 ;;
+    timeline)  # the graph step's kernel timeline (probes/graph_timeline.py): each kernel's share of the step
+        for d in ${TIMELINE_DS:-5120}; do
+            run timeline-d$d ${TIMELINE_ENV:-} -- $PY benchmarks/probes/graph_timeline.py --hidden $d --json-out "$LOGS/timeline-d$d.json"
+            grep -E '^timeline' "$LOGS/timeline-d$d.log" | cut -c1-170
+        done ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -17,7 +17,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include "dejavu_kernels.h"
-#include "djv_bulk.cuh"
 #include "djv_device.cuh"
 
 namespace {
@@ -354,7 +353,6 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
                                                             int nmax) {
     static_assert(kTopkThreads == 1024, "one count slot per warp, 32 warps");
     static_assert(kHistBins == kTopkThreads, "the suffix scan gives each thread one bin");
-    pdl_launch_dependents();  // topk_warp_kernel (the heads) may start now; the scores are complete
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
     __shared__ unsigned s_cnt[64];
@@ -531,59 +529,6 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
     }
 }
 
-// topk_warp_kernel: one warp for a part of <= 1024 units (the attention heads), the same selection as
-// topk_kernel (bisection on the key bits, ties toward the lower index). topk_kernel's 1024-thread CTA holds a
-// whole SM's registers for its ~20 us whatever n is; one warp leaves that SM to the main stream. It runs
-// concurrently with part 0's CTA: launched with programmatic dependent launch after it, it starts once that
-// CTA has triggered (at its start, after the scores kernel completed), and it waits for that CTA only at its
-// end, so the side stream's join event still covers both parts.
-constexpr int kWarpTopkMax = 1024;
-
-__global__ void __launch_bounds__(32) topk_warp_kernel(const float* __restrict__ s, Part P) {
-    const int lane = threadIdx.x, n = P.n, K = P.k, nj = (n + 31) / 32;
-    uint32_t key[32];  // index j * 32 + lane; 0 for padding (every probe value is >= 1)
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const int i = j * 32 + lane;
-        key[j] = (j < nj && i < n) ? order_key(__ldcg(s + i)) : 0u;
-    }
-    uint32_t T = 0;
-    for (int bit = 31; bit >= 0; --bit) {
-        const uint32_t c = T | (1u << bit);
-        unsigned cnt = 0;
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-            if (j < nj) cnt += key[j] >= c;
-        if (__reduce_add_sync(0xffffffffu, cnt) >= (unsigned)K) T = c;
-    }
-    unsigned gt_all = 0;
-#pragma unroll
-    for (int j = 0; j < 32; ++j)
-        if (j < nj) gt_all += __popc(__ballot_sync(0xffffffffu, j * 32 + lane < n && key[j] > T));
-    const unsigned remaining = (unsigned)K - gt_all, lt = (1u << lane) - 1u;
-    unsigned gt_before = 0, eq_before = 0;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        if (j >= nj) break;
-        const int i = j * 32 + lane;
-        const bool valid = i < n, gt = valid && key[j] > T, eq = valid && key[j] == T;
-        const unsigned gtm = __ballot_sync(0xffffffffu, gt), eqm = __ballot_sync(0xffffffffu, eq);
-        const unsigned my_gt = gt_before + __popc(gtm & lt), my_eq = eq_before + __popc(eqm & lt);
-        if (gt || (eq && my_eq < remaining)) P.out[my_gt + (my_eq < remaining ? my_eq : remaining)] = i;
-        gt_before += __popc(gtm);
-        eq_before += __popc(eqm);
-    }
-    // Writing before the wait breaks the chain's rule (djv_bulk.cuh) safely here: part 0 writes only its own
-    // index buffer, and nothing reads this part's buffer before the side stream's join.
-    pdl_wait_primary();
-}
-
-// DJV_TOPK_HEADS_WARP=0: the heads part in topk_kernel's second CTA, as before (A/B measurements).
-inline bool topk_heads_warp() {
-    static const bool on = !(getenv("DJV_TOPK_HEADS_WARP") != nullptr && getenv("DJV_TOPK_HEADS_WARP")[0] == '0');
-    return on;
-}
-
 // keys per thread of topk_kernel for n keys; 0 when n needs topk_r8_kernel
 inline int topk_kpt(int n) {
     const int need = cdiv(n, kTopkThreads);
@@ -668,23 +613,22 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
         topk_r8_kernel<<<2, kTopkThreads, ksm, st>>>(sc, p0, p1, p.nmax, p.keys_smem ? 1 : 0);
         return (int)cudaGetLastError();
     }
-    // the heads (a small part 1): one warp, concurrent with part 0's CTA
-    const bool warp = p1.a != nullptr && p1.n <= kWarpTopkMax && topk_heads_warp();
-    const int grid = warp ? 1 : 2;
-    const bool hist = topk_hist();
-    switch (kpt) {
-    case 4: hist ? topk_kernel<4, true><<<grid, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax)
-                 : topk_kernel<4, false><<<grid, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    case 12: hist ? topk_kernel<12, true><<<grid, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax)
-                  : topk_kernel<12, false><<<grid, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    case 24: hist ? topk_kernel<24, true><<<grid, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax)
-                  : topk_kernel<24, false><<<grid, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    default: hist ? topk_kernel<kTopkMaxKpt, true><<<grid, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax)
-                  : topk_kernel<kTopkMaxKpt, false><<<grid, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    if (topk_hist()) {
+        switch (kpt) {
+        case 4: topk_kernel<4, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        case 12: topk_kernel<12, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        case 24: topk_kernel<24, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        default: topk_kernel<kTopkMaxKpt, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        }
+        return (int)cudaGetLastError();
     }
-    if ((e = cudaGetLastError()) != cudaSuccess) return (int)e;
-    if (warp) return (int)launch_pdl(topk_warp_kernel, dim3(1), dim3(32), 0, st, (const float*)(sc + p.nmax), p1);
-    return (int)cudaSuccess;
+    switch (kpt) {
+    case 4: topk_kernel<4, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 12: topk_kernel<12, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 24: topk_kernel<24, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    default: topk_kernel<kTopkMaxKpt, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    }
+    return (int)cudaGetLastError();
 }
 
 template <typename T, int NB>
