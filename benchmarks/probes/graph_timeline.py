@@ -60,7 +60,8 @@ def analyse(kernels: list[dict], steps: int, marker: str = "qkv_rows_kernel") ->
     by_stream: dict = defaultdict(list)
     for k in kernels:
         by_stream[k["stream"]].append(k)
-    side = [s for s, ks in by_stream.items() if any(k["name"] in PREDICTOR_KERNELS for k in ks)]
+    # layer 0's predictor runs inline on the main stream; the side stream runs predictor kernels only
+    side = [s for s, ks in by_stream.items() if all(k["name"] in PREDICTOR_KERNELS for k in ks)]
     main_s = max((s for s in by_stream if s not in side), key=lambda s: len(by_stream[s]))
     main = by_stream[main_s]
     if len(main) % steps:

@@ -408,10 +408,11 @@ def test_predictor_join_event_covers_both_parts():
     assert want_mi.min() >= 0 and want_hi.min() >= 0  # test_predictor checks the selection itself
     mi = torch.empty_like(want_mi)
     hi = torch.empty_like(want_hi)
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side = torch.cuda.Stream()
     got = []
 
     def one_step():
+        main = torch.cuda.current_stream()  # under capture, the graph's capture stream
         mi.fill_(-7)
         hi.fill_(-7)
         side.wait_stream(main)
