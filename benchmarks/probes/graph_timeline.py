@@ -57,13 +57,11 @@ def kernel_events(trace_path: str) -> list[dict]:
 
 
 def analyse(kernels: list[dict], steps: int, marker: str = "qkv_rows_kernel") -> dict:
-    by_stream: dict = defaultdict(list)
-    for k in kernels:
-        by_stream[k["stream"]].append(k)
-    # layer 0's predictor runs inline on the main stream; the side stream runs predictor kernels only
-    side = [s for s, ks in by_stream.items() if all(k["name"] in PREDICTOR_KERNELS for k in ks)]
-    main_s = max((s for s in by_stream if s not in side), key=lambda s: len(by_stream[s]))
-    main = by_stream[main_s]
+    # Kernels replayed from a graph are not reported on the streams they were captured on, so the chains are
+    # told apart by name: the predictor's kernels (layer 0's runs inline, the rest on the side stream) and
+    # everything else, the main chain.
+    main = [k for k in kernels if k["name"] not in PREDICTOR_KERNELS]
+    side_ks = [k for k in kernels if k["name"] in PREDICTOR_KERNELS]
     if len(main) % steps:
         raise SystemExit(f"{len(main)} main-stream kernels do not split into {steps} steps")
     per_step = len(main) // steps
@@ -98,20 +96,19 @@ def analyse(kernels: list[dict], steps: int, marker: str = "qkv_rows_kernel") ->
                "share_us_p90": round(sorted(v)[int(0.9 * (len(v) - 1))], 2)} for k, v in by_place.items()]
     # the side stream: one predictor = u_kernel .. the next topk; the main kernel that starts first after it
     pred = []
-    for s in side:
-        ks = by_stream[s]
-        i = 0
-        while i < len(ks):
-            if ks[i]["name"] != "u_kernel":
-                i += 1
-                continue
-            j = i
-            while j < len(ks) and not ks[j]["name"].startswith("topk"):
-                j += 1
-            if j == len(ks):
-                break
-            pred.append((ks[i]["ts"], ks[j]["end"]))
-            i = j + 1
+    ks = side_ks
+    i = 0
+    while i < len(ks):
+        if ks[i]["name"] != "u_kernel":
+            i += 1
+            continue
+        j = i
+        while j < len(ks) and not ks[j]["name"].startswith("topk"):
+            j += 1
+        if j == len(ks):
+            break
+        pred.append((ks[i]["ts"], ks[j]["end"]))
+        i = j + 1
     spans = [e - b for b, e in pred]
     # the join (heuristic): the first main-stream kernel that starts after the predictor's end. When its
     # predecessor had already ended, nothing but the join kept it from starting (programmatic dependent launch

@@ -45,7 +45,7 @@ struct Fold {
 };
 
 struct BulkPlan {
-    int vpt, threads, stages, ctas, per, rem;
+    int vpt, threads, stages, ctas, per, rem, strided;
     size_t smem;
 };
 
@@ -92,6 +92,8 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     p.ctas = ctas;
     p.per = M / p.ctas;
     p.rem = M % p.ctas;
+    static const int strided = env_int("DJV_MLP_STRIDED", 0, 1, 1);  // experiment: 0 for contiguous runs
+    p.strided = strided;
     return p;
 }
 
@@ -128,7 +130,10 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         bulk_load(dst + (size_t)(NMAT - 1) * d, w_up + row * d, seg_bytes, &bars[s], pol);
         bulk_load(dst + (size_t)NMAT * d, w_down_t + row * d, seg_bytes, &bars[s], pol);
     };
-    for (int i = tid; i < n; i += blockDim.x) rowtab[i] = expand_row(idx, j0 + i, bs);
+    // positions: a contiguous run, or (p.strided) round-robin over the CTAs, so that the first rows of every
+    // CTA are positions [0, ctas * k) of the list (what djv_set_attention_l2_ahead prefetches)
+    for (int i = tid; i < n; i += blockDim.x)
+        rowtab[i] = expand_row(idx, p.strided ? (int)blockIdx.x + i * p.ctas : j0 + i, bs);
     if (tid == 0) {
         for (int s = 0; s < p.stages; ++s) mbar_init(&bars[s], 1);
         fence_barrier_init();
