@@ -26,6 +26,7 @@
 # e2e-bN[:ENV=VAL,...]: bench_e2e --core at batch N only.
 # timeline: the CUDA-graph step's kernel timeline under torch.profiler, each kernel's share of the step
 # (TIMELINE_DS="5120 ...", TIMELINE_ENV=ENV=VAL).
+# mlp-l2[:ENV=VAL]: the fused MLP with its rows L2-resident against rotating row sets from HBM.
 # first-step: wall time of batch 1's first decode step, the timed choice (auto) vs an executor pinned to it.
 # partial-sums: the partial-sum reduction kernel against fp32 atomics into the norm's input (probes/partial_sums.cu).
 set -uo pipefail
@@ -165,6 +166,13 @@ for step in "$@"; do
             run timeline-d$d ${TIMELINE_ENV:-} -- $PY benchmarks/probes/graph_timeline.py --hidden $d --json-out "$LOGS/timeline-d$d.json"
             grep -E '^timeline' "$LOGS/timeline-d$d.log" | cut -c1-170
         done ;;
+    mlp-l2)  # the fused MLP with its rows L2-resident vs from HBM (probes/mlp_l2.py): bytes or latency?
+        run mlp-l2 -- $PY benchmarks/probes/mlp_l2.py
+        grep -E '^\{"kept"' "$LOGS/mlp-l2.log" ;;
+    mlp-l2:*)
+        IFS=, read -ra kv <<< "${step#*:}"
+        run "$step" "${kv[@]}" -- $PY benchmarks/probes/mlp_l2.py
+        grep -E '^\{"kept"' "$LOGS/$step.log" ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

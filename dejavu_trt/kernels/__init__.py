@@ -188,21 +188,6 @@ def _workspace(op: str, nbytes: int, device, given):
     return buf
 
 
-def set_attention_l2_ahead(idx, *, w_up, w_down_t, w_gate=None, block_size: int = 1, max_bytes: int) -> None:
-    """Experiment: the next head_sparse_attention call (this thread) also prefetches into L2 the first active
-    rows of the MLP that follows it (positions [0, rows) of idx, rows from max_bytes); 0 cancels."""
-    lib = load_library()
-    if not hasattr(lib, "_l2_ahead_typed"):
-        lib.djv_set_attention_l2_ahead.restype = ctypes.c_int
-        lib.djv_set_attention_l2_ahead.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_longlong]
-        lib._l2_ahead_typed = True
-    d = w_up.shape[-1]
-    st = lib.djv_set_attention_l2_ahead(_ptr(w_gate), _ptr(w_up), _ptr(w_down_t), _ptr(idx), int(block_size),
-                                        int(idx.numel()) * int(block_size), int(d), int(w_up.element_size()),
-                                        int(max_bytes))
-    _check(st, "set_attention_l2_ahead")
-
-
 def set_mlp_grid_slack(sms: int) -> int:
     """Size the fused MLP's grid (sm_90, batch <= 4) for `sms` fewer SMs than the device has, leaving room for
     the predictor's CTAs on its side stream. Process-wide and read when a call is enqueued: a captured CUDA

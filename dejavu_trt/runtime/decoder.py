@@ -6,7 +6,6 @@ the embeddings), so on a GPU it runs on a side stream while layer l runs, joined
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +16,6 @@ from ..models.adapters import ModelDims
 from ..models.loading import parse_dtype
 from .ops import LayerWeights
 from .package import EngineConfig, EnginePackage
-
-# Experiment (A/B runs only): each attention call prefetches into L2 this many MB of the next MLP's rows.
-L2_AHEAD_BYTES = int(float(os.environ.get("DEJAVU_L2_AHEAD_MB", "0")) * 2**20)
 
 _LAYER_KEYS = ("attn_norm.weight", "attn_norm.bias", "mlp_norm.weight", "mlp_norm.bias", "w_q", "w_k", "w_v",
                "w_o_t", "b_q", "b_k", "b_v", "b_o", "w_up", "w_gate", "w_down_t", "b_up", "b_down",
@@ -218,8 +214,6 @@ class Decoder:
                 continue
             # h + op(x): the kernels fuse the residual add (a new tensor: the side stream reads h)
             mlp_idx, head_idx = idx[i]
-            if L2_AHEAD_BYTES and hasattr(self.ops, "l2_ahead"):
-                self.ops.l2_ahead(lw, mlp_idx, self.block, fold_mlp, L2_AHEAD_BYTES)
             a_stats = {"y_stats": self.ops.empty_stats(h)} if fold_mlp else {}
             if fold_attn:  # the attention normalises h itself, from the row statistics of the op before
                 h = self.ops.attention_residual_folded(h, h_stats, head_idx, position, lw, k_caches[i], v_caches[i],

@@ -199,12 +199,6 @@ class KernelOps(TorchOps):
         if torch_predictor:
             self.name = "kernels+torch-predictor"
 
-    def l2_ahead(self, lw, idx, block_size: int, folded: bool, max_bytes: int) -> None:
-        """Experiment (DEJAVU_L2_AHEAD_MB): the next attention call prefetches this layer's MLP's first rows."""
-        self.k.set_attention_l2_ahead(idx, w_up=lw.w_up_nf if folded else lw.w_up, w_down_t=lw.w_down_t,
-                                      w_gate=lw.w_gate_nf if folded else lw.w_gate, block_size=block_size,
-                                      max_bytes=max_bytes)
-
     def set_mlp_grid_slack(self, sms: int) -> int:
         """The fused MLP's grid sized for `sms` fewer SMs (kernels.set_mlp_grid_slack); returns the previous."""
         return self.k.set_mlp_grid_slack(sms)

@@ -60,12 +60,6 @@ DJV_API int djv_workspace_prepare(void* workspace, size_t workspace_bytes, cudaS
  * value, or DJV_E_SHAPE when sms is outside [0, SM count / 2]. */
 DJV_API int djv_set_mlp_grid_slack(int sms);
 
-/* Experiment (not part of ABI 5): the next djv_head_sparse_attention* call on this thread also prefetches into
- * L2 the first rows [0, rows) of the MLP that follows it (rows = max_bytes / bytes per position, at most M):
- * gate (may be NULL), up and down^T rows of d values, esize 2. max_bytes <= 0 cancels. */
-DJV_API int djv_set_attention_l2_ahead(const void* w_gate, const void* w_up, const void* w_down_t, const int32_t* idx,
-                                       int bs, int M, int d, int esize, long long max_bytes);
-
 /* ---- DejaVuLookaheadPredictor -------------------------------------------------------------
  * h [B,d]; mlp_a [d,r_m]; mlp_b [r_m,Nb]; head_a [d,r_h]; head_b [r_h,H] -> mlp_idx [K], head_idx [Kh]
  * (ascending, ties toward the lower index). head_a/head_b/head_idx may be NULL (MLP part only).

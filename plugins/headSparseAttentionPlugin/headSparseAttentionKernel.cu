@@ -21,20 +21,6 @@ constexpr int kAttnThreads = 128;
 constexpr int GMAX = 8;  // query heads per work item
 constexpr int kMaxSplits = kAttnThreads * 8;  // merge weights [GMAX][nsplit] reuse ored: RP*GMAX*hd = GMAX*1024 floats
 
-// Experiment (djv_set_attention_l2_ahead): extra CTAs of the attention core issue L2 prefetches of the
-// next MLP's first active rows while the core runs, latency-bound, with HBM otherwise idle.
-struct L2Ahead {
-    const char* seg[3];  // up to three row-major matrices (gate, up, down^T) of d values per row
-    int nseg, bs, rows;  // rows: positions 0..rows-1 of the active list (block-expanded)
-    const int32_t* idx;
-    unsigned row_bytes;
-};
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#ifdef DJV_BULK
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // Warp 0 helper: over p in [0, Kh), flag(p) = p == 0 || key(head_idx[p]) != key(head_idx[p-1]).
 // Returns the position of the n-th flag (or -1), the next flag after it (or Kh) and the count of flags at
 // positions <= upto.
@@ -193,7 +179,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const float* __restrict__ qkv, int R, const int32_t* __restrict__ head_idx, const int32_t* __restrict__ position,
     const T* __restrict__ rcos, const T* __restrict__ rsin, T* __restrict__ kc, T* __restrict__ vc,
     float* __restrict__ part, unsigned* __restrict__ ctr, T* __restrict__ o_act, int H, int Hkv, int Kh, int Tlen,
-    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit, L2Ahead ahead) {
+    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit) {
     constexpr int TPR = HD / 8, RP = kAttnThreads / TPR, PSTRIDE = HD + 2;
     extern __shared__ float sm[];
     float* q_s = sm;                 // [GMAX][HD] (pre-scaled by scale*log2(e))
@@ -209,17 +195,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const int pos = __ldg(position + b);
     const float* qkv_b = qkv + (size_t)b * R;
 
-    if (x >= Kh + nslots) {  // L2 look-ahead CTA: prefetch the next MLP's first rows, after the projection
-        pdl_wait_primary();
-        pdl_launch_dependents();
-        const int nc = (gridDim.x - Kh - nslots) * gridDim.y * gridDim.z;
-        const int c = ((x - Kh - nslots) * gridDim.y + b) * gridDim.z + z;
-        for (int r = c * kAttnThreads + tid; r < ahead.rows; r += nc * kAttnThreads) {
-            const size_t row = (size_t)expand_row(ahead.idx, r, ahead.bs);
-            for (int g = 0; g < ahead.nseg; ++g) prefetch_l2(ahead.seg[g] + row * ahead.row_bytes, ahead.row_bytes);
-        }
-        return;
-    }
     if (x >= Kh) {  // writer of KV slot x-Kh: the cache gets K (after RoPE) and V at slot pos
         const int slot = x - Kh;
         if (z != 0 || slot >= nslots) return;
@@ -476,36 +451,24 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
 template <typename T, int HD, int GM>
 cudaError_t launch_attn_g(const AttnPlan& p, const float* qkv, const int32_t* hidx, const int32_t* pos, const T* rc,
                         const T* rs, T* kc, T* vc, float* part, unsigned* ctr, T* o_act, int B, int H, int Hkv, int Kh,
-                        int Tlen, int rotary, float qscale, int policy, const L2Ahead& ahead, cudaStream_t st) {
+                        int Tlen, int rotary, float qscale, int policy, cudaStream_t st) {
     cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, HD, GM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
     if (e != cudaSuccess) return e;
-    const int npf = ahead.rows > 0 ? cdiv(ahead.rows, kAttnThreads * B * p.nsplit) : 0;
-    dim3 grid(Kh + p.nslots + npf, B, p.nsplit);
+    dim3 grid(Kh + p.nslots, B, p.nsplit);
     // Programmatic dependent launch: the KV-cache reads overlap the tail of the QKV projection.
     return launch_pdl(attn_kernel<T, HD, GM>, grid, dim3(kAttnThreads), p.smem, st, qkv, p.R, hidx, pos, rc, rs, kc, vc,
-                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit, ahead);
+                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit);
 }
 
 template <typename T, int HD>
 cudaError_t launch_attn(const AttnPlan& p, const float* qkv, const int32_t* hidx, const int32_t* pos, const T* rc,
                         const T* rs, T* kc, T* vc, float* part, unsigned* ctr, T* o_act, int B, int H, int Hkv, int Kh,
-                        int Tlen, int rotary, float qscale, int policy, const L2Ahead& ahead, cudaStream_t st) {
+                        int Tlen, int rotary, float qscale, int policy, cudaStream_t st) {
     if (H == Hkv)
         return launch_attn_g<T, HD, 1>(p, qkv, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, B, H, Hkv, Kh, Tlen, rotary,
-                                       qscale, policy, ahead, st);
+                                       qscale, policy, st);
     return launch_attn_g<T, HD, GMAX>(p, qkv, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, B, H, Hkv, Kh, Tlen, rotary,
-                                      qscale, policy, ahead, st);
-}
-
-// The pending look-ahead (djv_set_attention_l2_ahead): consumed by the next attention call on this thread.
-thread_local L2Ahead g_ahead{};
-thread_local int g_ahead_d = 0;
-L2Ahead take_l2_ahead(int d) {
-    L2Ahead a = g_ahead;
-    const bool ok = a.rows > 0 && g_ahead_d == d && bulk_copy_supported();
-    g_ahead = L2Ahead{};
-    if (!ok) a.rows = 0;
-    return a;
+                                      qscale, policy, st);
 }
 
 template <typename T>
@@ -551,18 +514,17 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
-    const L2Ahead ahead = take_l2_ahead(d);
     const T* rct = static_cast<const T*>(rc);
     const T* rst = static_cast<const T*>(rs);
     T* kct = static_cast<T*>(kc);
     T* vct = static_cast<T*>(vc);
     switch (hd) {
     case 64: e = launch_attn<T, 64>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv, Kh,
-                                    Tlen, rotary, qscale, policy, ahead, st); break;
+                                    Tlen, rotary, qscale, policy, st); break;
     case 128: e = launch_attn<T, 128>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv,
-                                      Kh, Tlen, rotary, qscale, policy, ahead, st); break;
+                                      Kh, Tlen, rotary, qscale, policy, st); break;
     default: e = launch_attn<T, 256>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv,
-                                     Kh, Tlen, rotary, qscale, policy, ahead, st); break;
+                                     Kh, Tlen, rotary, qscale, policy, st); break;
     }
     if (e != cudaSuccess) return (int)e;
     e = launch_down<T>(o_act, p.Mo, hidx, hd, p.Mo, static_cast<const T*>(wo), static_cast<const T*>(bo),
@@ -622,31 +584,6 @@ DJV_API int djv_head_sparse_attention_folded(const void* x, const int32_t* head_
     return run_attn<__nv_bfloat16>(x, head_idx, position, w_q, w_k, w_v, w_o_t, b_q, b_k, b_v, b_o, rope_cos,
                                    rope_sin, k_cache, v_cache, residual, y, B, d, H, Hkv, hd, Kh, T, rotary, scale,
                                    kv_policy, xs, rms, norm_eps, ys, workspace, stream);
-}
-
-// Experiment: the next attention call (this thread) also prefetches into L2 the first rows of the MLP that
-// follows it: positions [0, rows) of idx (block size bs), each row of each non-null matrix (d values of esize
-// bytes), at most max_bytes in all. The fused MLP takes positions round-robin over its CTAs (DJV_MLP_STRIDED),
-// so these are the rows every CTA starts with. max_bytes 0 cancels.
-DJV_API int djv_set_attention_l2_ahead(const void* w_gate, const void* w_up, const void* w_down_t, const int32_t* idx,
-                                       int bs, int M, int d, int esize, long long max_bytes) {
-    g_ahead = L2Ahead{};
-    if (max_bytes <= 0) return DJV_OK;
-    if (!idx || !w_up || !w_down_t || bs < 1 || M < 1 || d < 1 || (esize != 2)) return DJV_E_SHAPE;
-    const unsigned row_bytes = (unsigned)d * (unsigned)esize;
-    if (row_bytes % 16 || !aligned16(w_up) || !aligned16(w_down_t) || (w_gate && !aligned16(w_gate))) return DJV_E_POINTER;
-    L2Ahead a{};
-    if (w_gate) a.seg[a.nseg++] = static_cast<const char*>(w_gate);
-    a.seg[a.nseg++] = static_cast<const char*>(w_up);
-    a.seg[a.nseg++] = static_cast<const char*>(w_down_t);
-    a.idx = idx;
-    a.bs = bs;
-    a.row_bytes = row_bytes;
-    const long long rows = max_bytes / ((long long)a.nseg * row_bytes);
-    a.rows = (int)(rows < M ? rows : M);
-    g_ahead = a;
-    g_ahead_d = d;
-    return DJV_OK;
 }
 
 DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, const int32_t* position,

@@ -130,8 +130,8 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         bulk_load(dst + (size_t)(NMAT - 1) * d, w_up + row * d, seg_bytes, &bars[s], pol);
         bulk_load(dst + (size_t)NMAT * d, w_down_t + row * d, seg_bytes, &bars[s], pol);
     };
-    // positions: a contiguous run, or (p.strided) round-robin over the CTAs, so that the first rows of every
-    // CTA are positions [0, ctas * k) of the list (what djv_set_attention_l2_ahead prefetches)
+    // positions: a contiguous run per CTA, or (p.strided) round-robin over the CTAs, so that at any time the
+    // CTAs read a narrow band of the (ascending) active list
     for (int i = tid; i < n; i += blockDim.x)
         rowtab[i] = expand_row(idx, p.strided ? (int)blockIdx.x + i * p.ctas : j0 + i, bs);
     if (tid == 0) {
