@@ -98,7 +98,8 @@ def row(name, r, copy_bw):
         name += f" [{'+'.join(r['fold_norms'])} norm folded]"
     if r.get("step_choice"):  # batch 1's timed choice (executor): what each candidate measured at capture
         c = r["step_choice"]
-        name += f" [auto: {c['chosen']} {c['ms_per_step']}" + (f"; {c['reason']}]" if c.get("reason") else "]")
+        name += (f" [auto{' (cached)' if c.get('cached') else ''}: {c['chosen']} {c['ms_per_step']}"
+                 + (f"; {c['reason']}]" if c.get("reason") else "]"))
     return {"config": name, "batch": r["batch"], "ops": r["ops"], "side_stream": r["side_stream"],
             "cuda_graph": r["cuda_graph"], "fold_norms": r.get("fold_norms", False), "tbt_ms_p50": round(r["tbt_ms_p50"], 3), "tbt_ms_p99": round(r["tbt_ms_p99"], 3),
             "tbt_ms_mean": round(r["tbt_ms_mean"], 3), "tokens_per_s": round(r["tokens_per_s"], 1),

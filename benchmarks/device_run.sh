@@ -36,6 +36,9 @@ LOGS=$OUT/logs
 mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"' EXIT
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+# Benchmarks time batch 1's step choice afresh in every process (not from the machine's choice cache), so
+# A/B steps never inherit another step's choice; the first-step probe sets its own cache file.
+export DEJAVU_STEP_CHOICE_CACHE=${DEJAVU_STEP_CHOICE_CACHE:-0}
 PY=${PY:-python3}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"

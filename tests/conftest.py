@@ -11,6 +11,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Batch 1's timed step choice times afresh in every test; tests of its cache point it at a temporary file.
+os.environ.setdefault("DEJAVU_STEP_CHOICE_CACHE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -375,3 +375,7 @@ def test_bench_names_the_timed_step_variant():
     line = step_variant_line({"step_choice": {"chosen": "none", "ms_per_step": {"none": 1.0},
                                               "reason": "mlp_norm not folded: copies too large"}})
     assert line.startswith("sparse step: mlp_norm unfolded (") and line.endswith("copies too large")
+    assert "timed at the first decode step" in line
+    line = step_variant_line({"step_choice": {"chosen": "mlp", "ms_per_step": {"none": 1.1, "mlp": 1.0},
+                                              "cached": "/home/u/.cache/dejavu_trt/step_choice.json"}})
+    assert "timed earlier on this machine, from /home/u/.cache/dejavu_trt/step_choice.json" in line

@@ -114,7 +114,9 @@ def step_variant_line(sparse: dict) -> str | None:
     base, _, slack = choice["chosen"].partition("+")
     what = names.get(base, base) + (f", fused MLP grid {slack.removeprefix('slack')} SMs short" if slack else "")
     timed = ", ".join(f"{k} {v:.3f}" for k, v in choice["ms_per_step"].items())
-    line = f"sparse step: {what} (timed at the first decode step, ms/step: {timed})"
+    when = (f"timed earlier on this machine, from {choice['cached']}" if choice.get("cached")
+            else "timed at the first decode step")
+    line = f"sparse step: {what} ({when}, ms/step: {timed})"
     return line + (f"; {choice['reason']}" if choice.get("reason") else "")
 
 

@@ -20,6 +20,7 @@ import time
 import torch
 
 from ..errors import DejaVuError
+from . import choice_cache
 from .decoder import Decoder, DecoderWeights
 from .ops import make_ops
 from .package import MAX_BATCH
@@ -123,6 +124,7 @@ class Executor:
         if mlp_grid_slack is not None and not hasattr(self.ops, "set_mlp_grid_slack"):
             raise DejaVuError(f"mlp_grid_slack needs the CUDA kernels (ops {self.ops.name!r} has no fused MLP)")
         self.step_choice: dict | None = None  # what the auto choice measured (ms per step per candidate)
+        self._pending_choice_key: str | None = None  # where a fresh choice goes in the machine's cache
         if self.fold_norms:
             weights.add_folded_norms(self.fold_norms)
         self.decoder = Decoder(weights, self.ops, dense=dense, kv_policy=kv_policy, side_stream=stream,
@@ -213,6 +215,8 @@ class Executor:
         """Capture one decode step. The step is idempotent for the same token and position (it rewrites the
         same cache slot), so the warm-up runs are undone by resetting the buffers before capture."""
         tok0, pos0 = self.tokens.clone(), self.position.clone()
+        if self.fold_auto:
+            self._adopt_cached_choice()  # a choice timed before on this machine: capture only that variant
         # auto: the trial replays of the graph that loses may write cache entries the kept one does not
         # (another head selection after a rounding difference); the slot is restored before the kept replay
         slot = ([c[:, :, self.pos_host].clone() for c in self.k_caches + self.v_caches] if self.fold_auto else None)
@@ -246,34 +250,78 @@ class Executor:
                 and self.decoder.side_stream is not None
                 and torch.cuda.get_device_capability(self.device)[0] >= 9)
 
-    def _choose_step(self, tok0: torch.Tensor, pos0: torch.Tensor, rounds: int = 3, reps: int = 8) -> None:
-        """Batch 1's timed choice. Candidates: mlp_norm unfolded ("none") or folded ("mlp"), each also with
-        the fused MLP's grid MLP_GRID_SLACK SMs short ("+slack2"). Which is fastest depends on the shape
-        (benchmarks/RESULTS.md, sessions 14-15). Each is captured as its own graph and all are timed
-        alternately, each replay from the same token and position, so the cache ends as one step of the kept
-        graph leaves it. The folded weight copies live in a private view of the weights, so they are freed
-        when an unfolded candidate wins and other executors sharing these weights never see them."""
+    def _variants(self, only: str | None = None) -> tuple[dict, str | None]:
+        """Batch 1's candidates, name -> (decoder, folds, grid slack): mlp_norm unfolded ("none") or folded
+        ("mlp"), each also with the fused MLP's grid MLP_GRID_SLACK SMs short ("+slack2"). Which is fastest
+        depends on the shape (benchmarks/RESULTS.md, sessions 14-15). The folded weight copies live in a private
+        view of the weights, so they are freed when an unfolded candidate wins and other executors sharing
+        these weights never see them. `only`: build just that candidate (a cached choice). Also returns why
+        mlp_norm cannot be folded, if it cannot."""
         plain_decoder = self.decoder
         pinned = self.mlp_grid_slack  # None unless the caller pinned it (then no slack candidates)
-        candidates = {"none": (self.graph, plain_decoder, (), pinned)}  # name -> (graph, decoder, folds, slack)
-        w = self.w
-        extra = w.folded_norm_bytes(("mlp",))
-        free, _ = torch.cuda.mem_get_info(self.device)
+        slack = f"+slack{MLP_GRID_SLACK}"
+        out = {"none": (plain_decoder, (), pinned)}
         reason = None
         folded_decoder = None
-        if extra > free // 2:  # the copies must not crowd out the KV cache or other executors
-            reason = f"folded copies ({extra / GiB:.2f} GiB) exceed half the free memory ({free / GiB:.2f} GiB)"
-        else:
-            view = dataclasses.replace(w, layers=[type(lw)(lw) for lw in w.layers])
-            view.add_folded_norms(("mlp",))
-            folded_decoder = copy.copy(plain_decoder)  # same ops object (tests may wrap it), same side stream
-            folded_decoder.w, folded_decoder.fold_norms = view, frozenset(("mlp",))
-        variants = [("mlp", folded_decoder, ("mlp",), pinned)] if folded_decoder else []
+        if only is None or only.startswith("mlp"):
+            w = self.w
+            extra = w.folded_norm_bytes(("mlp",))
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if extra > free // 2:  # the copies must not crowd out the KV cache or other executors
+                reason = f"folded copies ({extra / GiB:.2f} GiB) exceed half the free memory ({free / GiB:.2f} GiB)"
+            else:
+                view = dataclasses.replace(w, layers=[type(lw)(lw) for lw in w.layers])
+                view.add_folded_norms(("mlp",))
+                folded_decoder = copy.copy(plain_decoder)  # same ops object (tests may wrap it), same side stream
+                folded_decoder.w, folded_decoder.fold_norms = view, frozenset(("mlp",))
+                out["mlp"] = (folded_decoder, ("mlp",), pinned)
         if self._slack_candidates():
-            variants.append((f"none+slack{MLP_GRID_SLACK}", plain_decoder, (), MLP_GRID_SLACK))
+            out["none" + slack] = (plain_decoder, (), MLP_GRID_SLACK)
             if folded_decoder:
-                variants.append((f"mlp+slack{MLP_GRID_SLACK}", folded_decoder, ("mlp",), MLP_GRID_SLACK))
-        for name, decoder, folds, slack in variants:
+                out["mlp" + slack] = (folded_decoder, ("mlp",), MLP_GRID_SLACK)
+        return out, reason
+
+    def _choice_key(self) -> str:
+        """What batch 1's timings depend on (choice_cache): device, kernel library, shape, kept counts, context
+        and this executor's settings; the environment is added by choice_key."""
+        from .. import kernels
+        props = torch.cuda.get_device_properties(self.device)
+        dec = self.decoder
+        lib = kernels.library_path()
+        return choice_cache.choice_key({
+            "device": [props.name, props.multi_processor_count, props.major, props.minor, props.total_memory],
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "library": choice_cache.file_digest(lib) if lib.exists() else None,
+            "ops": self.ops.name, "dims": dataclasses.asdict(self.w.dims), "dtype": str(self.w.dtype),
+            "kept": list(dec.kept), "kept_heads": list(dec.kept_heads), "kv_policy": dec.kv_policy,
+            "block": dec.block, "context": self.T, "batch": self.batch, "pinned_slack": self.mlp_grid_slack,
+            "side_stream": None if dec.side_stream is None else dec.side_stream.priority,
+            "grid_slack_candidate": MLP_GRID_SLACK,
+        })
+
+    def _adopt_cached_choice(self) -> None:
+        key = self._choice_key()
+        names = ["none", "mlp", f"none+slack{MLP_GRID_SLACK}", f"mlp+slack{MLP_GRID_SLACK}"]
+        entry = choice_cache.lookup(key, names if self._slack_candidates() else names[:2])
+        if entry is None:
+            self._pending_choice_key = key
+            return
+        variants, reason = self._variants(only=entry["chosen"])
+        if entry["chosen"] not in variants:  # e.g. folding no longer fits in memory: time afresh
+            self._pending_choice_key = key
+            return
+        self.decoder, self.fold_norms, self.mlp_grid_slack = variants[entry["chosen"]]
+        self.fold_auto = False
+        self.step_choice = {"chosen": entry["chosen"], "ms_per_step": entry["ms_per_step"],
+                            "cached": str(choice_cache.cache_path())}
+
+    def _choose_step(self, tok0: torch.Tensor, pos0: torch.Tensor, rounds: int = 3, reps: int = 8) -> None:
+        """Batch 1's timed choice among _variants(): each is captured as its own graph and all are timed
+        alternately, each replay from the same token and position, so the cache ends as one step of the kept
+        graph leaves it. The result is stored in the machine's choice cache (choice_cache)."""
+        variants, reason = self._variants()
+        candidates = {"none": (self.graph, *variants.pop("none"))}  # name -> (graph, decoder, folds, slack)
+        for name, (decoder, folds, slack) in variants.items():
             self.decoder = decoder
             with self._grid_slack(slack):
                 candidates[name] = (self._capture_step(tok0, pos0), decoder, folds, slack)
@@ -303,6 +351,9 @@ class Executor:
         # the kept graph runs last from (tok0, pos0): the buffers and the cache slot are as after a capture
         self.tokens.copy_(tok0)
         self.position.copy_(pos0)
+        key = self._pending_choice_key
+        if key is not None and not reason:  # a memory-forced choice is not the machine's choice
+            choice_cache.store(key, self.step_choice)
 
     def timed_steps(self, n: int) -> list[float]:
         """Run n greedy steps back to back; milliseconds between consecutive tokens (device events on CUDA)."""

@@ -192,6 +192,37 @@ def test_batch1_auto_fold_keeps_the_timed_graph(family, kv_policy, monkeypatch):
     assert not eager.fold_auto and eager.fold_norms == ()
 
 
+def test_batch1_choice_cache_reuses_the_timed_choice(monkeypatch, tmp_path):
+    """The first auto executor times the candidates and stores its choice in the machine's cache; a second one
+    on the same weights captures only the cached variant, which decodes bit for bit as the first; another
+    kept count or an environment setting is another key, so it times afresh."""
+    from dejavu_trt.runtime import choice_cache
+    from dejavu_trt.runtime.executor import Executor
+    monkeypatch.delenv("DEJAVU_FOLD_NORMS", raising=False)
+    path = tmp_path / "choice.json"
+    monkeypatch.setenv(choice_cache.ENV, str(path))
+    gw, _ = _weights("opt", "cuda", torch.float16, kv_policy="active")
+    prompt = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(8))
+    first = Executor(gw, ops="kernels", batch=1, max_context=32)
+    got = _decode(first, prompt, 6)
+    assert "cached" not in first.step_choice and path.exists()
+    second = Executor(gw, ops="kernels", batch=1, max_context=32)
+    again = _decode(second, prompt, 6)
+    assert second.step_choice["cached"] == str(path)
+    assert second.step_choice["chosen"] == first.step_choice["chosen"]
+    assert (second.fold_norms, second.mlp_grid_slack) == (first.fold_norms, first.mlp_grid_slack)
+    assert torch.equal(got, again)
+    monkeypatch.setenv("DJV_CHOICE_CACHE_TEST", "1")  # any DJV_* / DEJAVU_* setting is part of the key
+    third = Executor(gw, ops="kernels", batch=1, max_context=32)
+    _decode(third, prompt, 2)
+    assert "cached" not in third.step_choice
+    monkeypatch.delenv("DJV_CHOICE_CACHE_TEST")
+    other, _ = _weights("opt", "cuda", torch.float16, kept=0.5, kv_policy="active")
+    fourth = Executor(other, ops="kernels", batch=1, max_context=32)
+    _decode(fourth, prompt, 2)
+    assert "cached" not in fourth.step_choice
+
+
 def test_out_of_memory_names_sizes():
     from dejavu_trt.errors import DejaVuError
     from dejavu_trt.runtime.executor import Executor
