@@ -23,7 +23,7 @@ template <int ACT> __device__ __forceinline__ float activate(float u) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Batch <= 4 on sm_90: the whole MLP in one pass. CTA c owns a contiguous run of active neurons. Thread 0
+// Batch <= 4 on sm_90: the whole MLP in one pass. CTA c owns active positions c, c + ctas, ... Thread 0
 // streams each neuron's rows - gate (SwiGLU), up, down^T: NSEG contiguous runs of d values - into a ring of
 // shared-memory stages with bulk copies; then every thread
 //   (1) dots its 8*VPT columns of the up row(s) with x (held in registers), the CTA sums the dot,
@@ -92,7 +92,9 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     p.ctas = ctas;
     p.per = M / p.ctas;
     p.rem = M % p.ctas;
-    static const int strided = env_int("DJV_MLP_STRIDED", 0, 1, 1);  // experiment: 0 for contiguous runs
+    // Round-robin positions measured 0.4% faster end to end than a contiguous run per CTA (benchmarks/RESULTS.md,
+    // session 16); DJV_MLP_STRIDED=0 gives the contiguous runs, for A/B runs.
+    static const int strided = env_int("DJV_MLP_STRIDED", 0, 1, 1);
     p.strided = strided;
     return p;
 }
