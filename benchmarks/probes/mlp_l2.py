@@ -5,10 +5,11 @@ several times L2), OPT-13B shape (d 5120, ffn 20480, ReLU, fp16), CUDA-graph rep
 If the L2-resident call is barely faster, what remains of the call's time is latency (ramp, per-neuron
 pipeline, partial sums), not bytes, and moving bytes ahead of the call cannot pay.
 
-    python benchmarks/probes/mlp_l2.py
+    python benchmarks/probes/mlp_l2.py [--dtype fp16|bf16]
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,9 +25,12 @@ from dejavu_trt import kernels  # noqa: E402
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    args = ap.parse_args()
     d, n = 5120, 20480
     g = torch.Generator(device="cuda").manual_seed(0)
-    dt = torch.float16
+    dt = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     w_up = (torch.randn(n, d, device="cuda", generator=g) * d ** -0.5).to(dt)
     w_down_t = (torch.randn(n, d, device="cuda", generator=g) * n ** -0.5).to(dt)
     x = torch.randn(1, d, device="cuda", generator=g).to(dt)
@@ -43,7 +47,7 @@ def main() -> None:
         warm = graph_time([call(0)] * 16)
         cold = graph_time([call(i % sets) for i in range(16)])
         mb = k * 2 * d * 2 / 1e6
-        print(json.dumps({"kept": k, "MB_per_call": round(mb, 1), "sets": sets, "footprint_MB": round(mb * sets, 1),
+        print(json.dumps({"dtype": args.dtype, "kept": k, "MB_per_call": round(mb, 1), "sets": sets, "footprint_MB": round(mb * sets, 1),
                           "us_same_rows": round(warm * 1e6, 2), "us_rotating": round(cold * 1e6, 2),
                           "GB_s_rotating": round(mb / 1e3 / cold, 0)}), flush=True)
 
