@@ -47,7 +47,7 @@ def allocate(shape, dtype, device, what: str, context: str = "") -> torch.Tensor
 
 # The fused MLP's grid in batch 1's slack candidates: sized for this many fewer SMs, the two that the predictor's
 # top-k CTAs (one per part, 1024 threads each) hold whole on the side stream (benchmarks/RESULTS.md, session 15).
-MLP_GRID_SLACK = int(os.environ.get("DEJAVU_MLP_GRID_SLACK", "2"))  # env: A/B runs only
+MLP_GRID_SLACK = 2
 
 FOLDS = {"none": (), "0": (), "mlp": ("mlp",), "attn": ("attn",), "all": ("attn", "mlp"), "1": ("attn", "mlp")}
 FOLD_AUTO = "auto"
