@@ -63,6 +63,15 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
     return pol;
 }
 
+// The default priority, for A/B runs (DJV_MLP_L2_NORMAL): rows read again soon stay in L2 like any other line.
+__device__ __forceinline__ uint64_t l2_evict_normal_policy() {
+    uint64_t pol = 0;
+#ifdef DJV_BULK
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(pol));
+#endif
+    return pol;
+}
+
 // dst (shared) <- src (global), `bytes` a multiple of 16, both 16-byte aligned; completes on `bar`.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint64_t pol) {
 #ifdef DJV_BULK

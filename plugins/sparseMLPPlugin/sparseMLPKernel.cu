@@ -45,7 +45,7 @@ struct Fold {
 };
 
 struct BulkPlan {
-    int vpt, threads, stages, ctas, per, rem, strided;
+    int vpt, threads, stages, ctas, per, rem, strided, l2_normal;
     size_t smem;
 };
 
@@ -96,6 +96,10 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     // session 16); DJV_MLP_STRIDED=0 gives the contiguous runs, for A/B runs.
     static const int strided = env_int("DJV_MLP_STRIDED", 0, 1, 1);
     p.strided = strided;
+    // DJV_MLP_L2_NORMAL=1: the rows' bulk loads at L2's default priority instead of evict-first (A/B runs: does
+    // an L2-resident row make the kernel faster? benchmarks/probes/mlp_l2.py)
+    static const int l2_normal = env_int("DJV_MLP_L2_NORMAL", 0, 1, 0);
+    p.l2_normal = l2_normal;
     return p;
 }
 
@@ -119,7 +123,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     const int j0 = blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
     const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
     const unsigned seg_bytes = (unsigned)d * sizeof(T);
-    const uint64_t pol = l2_evict_first_policy();
+    const uint64_t pol = p.l2_normal ? l2_evict_normal_policy() : l2_evict_first_policy();
     pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
 
