@@ -172,11 +172,11 @@ for step in "$@"; do
     mlp-l2)  # the fused MLP with its rows L2-resident vs from HBM (probes/mlp_l2.py): bytes or latency?
         run mlp-l2 -- $PY benchmarks/probes/mlp_l2.py
         run mlp-l2-bf16 -- $PY benchmarks/probes/mlp_l2.py --dtype bf16
-        grep -hE '^\{"dtype"' "$LOGS/mlp-l2.log" "$LOGS/mlp-l2-bf16.log" ;;
+        grep -hE '^\{"(dtype|copy_GB_s)"' "$LOGS/mlp-l2.log" "$LOGS/mlp-l2-bf16.log" ;;
     mlp-l2:*)
         IFS=, read -ra kv <<< "${step#*:}"
         run "$step" "${kv[@]}" -- $PY benchmarks/probes/mlp_l2.py
-        grep -E '^\{"dtype"' "$LOGS/$step.log" ;;
+        grep -E '^\{"(dtype|copy_GB_s)"' "$LOGS/$step.log" ;;
     profile) run profile -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     profile-unfolded) run profile-unfolded DEJAVU_FOLD_NORMS=0 -- $PY benchmarks/bench_e2e.py --opt13b --profile-step ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -1,6 +1,8 @@
 """Is the fused MLP at batch 1 bound by HBM bytes or by its own latency? The same call timed with its active
 rows L2-resident (the same rows every call) and from HBM (rotating over disjoint row sets whose footprint is
-several times L2), OPT-13B shape (d 5120, ffn 20480, ReLU, fp16), CUDA-graph replays.
+several times L2), OPT-13B shape (d 5120, ffn 20480, ReLU, fp16), CUDA-graph replays. Prints the copy
+bandwidth measured in the same process first (bench_kernels.copy_bw), and each row's rotating GB/s as a share
+of it.
 
 If the L2-resident call is barely faster, what remains of the call's time is latency (ramp, per-neuron
 pipeline, partial sums), not bytes, and moving bytes ahead of the call cannot pay.
@@ -19,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_kernels import graph_time  # noqa: E402
+from bench_kernels import copy_bw, graph_time  # noqa: E402
 
 from dejavu_trt import kernels  # noqa: E402
 
@@ -31,6 +33,8 @@ def main() -> None:
     d, n = 5120, 20480
     g = torch.Generator(device="cuda").manual_seed(0)
     dt = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    copy, _read = copy_bw()  # the same process's copy bandwidth, for the GB/s column
+    print(json.dumps({"copy_GB_s": round(copy / 1e9, 0)}), flush=True)
     w_up = (torch.randn(n, d, device="cuda", generator=g) * d ** -0.5).to(dt)
     w_down_t = (torch.randn(n, d, device="cuda", generator=g) * n ** -0.5).to(dt)
     x = torch.randn(1, d, device="cuda", generator=g).to(dt)
@@ -49,7 +53,8 @@ def main() -> None:
         mb = k * 2 * d * 2 / 1e6
         print(json.dumps({"dtype": args.dtype, "kept": k, "MB_per_call": round(mb, 1), "sets": sets, "footprint_MB": round(mb * sets, 1),
                           "us_same_rows": round(warm * 1e6, 2), "us_rotating": round(cold * 1e6, 2),
-                          "GB_s_rotating": round(mb / 1e3 / cold, 0)}), flush=True)
+                          "GB_s_rotating": round(mb / 1e3 / cold, 0),
+                          "pct_of_copy_rotating": round(100 * mb * 1e6 / cold / copy, 1)}), flush=True)
 
 
 if __name__ == "__main__":
