@@ -115,7 +115,10 @@ def analyse(kernels: list[dict], steps: int, marker: str = "qkv_rows_kernel") ->
     # makes main-stream kernels resident before their predecessor ends), so the gap is a stall.
     stalls = []
     starts = [k["ts"] for k in main]
+    step0_end = main[per_step - 1]["end"]  # like the shares, the stalls count steps 1..steps-1
     for b, e in pred:
+        if e <= step0_end:
+            continue
         j = bisect.bisect_left(starts, e)
         if 0 < j < len(main) and main[j - 1]["end"] < e:
             stalls.append(main[j]["ts"] - main[j - 1]["end"])
