@@ -7,8 +7,8 @@ the context, the executor's settings, the dejavu_trt version and every DJV_* / D
 (the kernels' A/B knobs among them). Any change times afresh.
 
 Where: $DEJAVU_STEP_CHOICE_CACHE, a JSON file path, or "0" to turn the cache off; default
-step_choice.json in the project's cache folder ($DEJAVU_TRT_CACHE, else ~/.cache/dejavu_trt). Writes are atomic; an unreadable file is reported
-once and replaced at the next store.
+step_choice.json in the project's cache folder ($DEJAVU_TRT_CACHE, else ~/.cache/dejavu_trt). Writes are
+atomic; an unreadable file gives a warning at each read and is replaced at the next store.
 """
 from __future__ import annotations
 
