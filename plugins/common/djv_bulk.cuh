@@ -54,20 +54,13 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
 #endif
 }
 
-// Weights are streamed once: mark them first to go from L2 so that activations and partials stay.
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+// Weights are streamed once: mark them first to go from L2 so that activations and partials stay. `normal`
+// gives L2's default priority instead (A/B runs, DJV_MLP_L2_NORMAL: rows read again soon then stay in L2).
+__device__ __forceinline__ uint64_t l2_weight_policy(bool normal = false) {
     uint64_t pol = 0;
 #ifdef DJV_BULK
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-#endif
-    return pol;
-}
-
-// The default priority, for A/B runs (DJV_MLP_L2_NORMAL): rows read again soon stay in L2 like any other line.
-__device__ __forceinline__ uint64_t l2_evict_normal_policy() {
-    uint64_t pol = 0;
-#ifdef DJV_BULK
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(pol));
+    if (normal) asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(pol));
+    else asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
 #endif
     return pol;
 }

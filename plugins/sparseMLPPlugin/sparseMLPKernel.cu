@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     const int j0 = blockIdx.x * p.per + min((int)blockIdx.x, p.rem);
     const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
     const unsigned seg_bytes = (unsigned)d * sizeof(T);
-    const uint64_t pol = p.l2_normal ? l2_evict_normal_policy() : l2_evict_first_policy();
+    const uint64_t pol = l2_weight_policy(p.l2_normal != 0);
     pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
 
