@@ -127,6 +127,12 @@ def fixed_index_ops(recompute: bool = False):
             if recompute or key not in self.cache:
                 self.cache.setdefault(key, super().predictor(h, lw, kept_units, kept_heads))
             return self.cache[key]
+
+        def predictor_part(self, h, lw, kept_units, kept_heads, part):  # layer 0's split call, likewise
+            key = (id(lw), part)
+            if recompute or key not in self.cache:
+                self.cache.setdefault(key, super().predictor_part(h, lw, kept_units, kept_heads, part))
+            return self.cache[key]
     return FixedIndexOps()
 
 
@@ -135,20 +141,20 @@ def defer_joins(ex) -> None:
     moved to the end of the step, so the graph keeps the fork edges but no layer waits for its predictor.
     Only correct with ops whose indices do not come from this step's predictor (the fixed-index ops)."""
     dec = ex.decoder
-    launch, logits, pending = dec._launch_predictor, dec.logits, []
+    launch, lm_head, pending = dec._launch_predictor, dec.lm_head, []
 
-    def launch_without_join(layer, h, idx):
-        ev = launch(layer, h, idx)
+    def launch_without_join(layer, h, idx, part=None):
+        ev = launch(layer, h, idx, part=part)
         if ev is not None:
             pending.append(ev)
         return None
 
-    def logits_after_joins(h):
+    def lm_head_after_joins(h):
         for ev in pending:
             torch.cuda.current_stream().wait_event(ev)
         pending.clear()
-        return logits(h)
-    dec._launch_predictor, dec.logits = launch_without_join, logits_after_joins
+        return lm_head(h)
+    dec._launch_predictor, dec.lm_head = launch_without_join, lm_head_after_joins
 
 
 def predictor_only(w, ops: str, reps: int = 20) -> dict:

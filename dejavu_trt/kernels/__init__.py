@@ -13,9 +13,10 @@ Library lookup: ``$DEJAVU_KERNELS_LIB``, else ``plugins/build/libdejavu_kernels.
 Functions (fp16 or bf16 tensors, contiguous, on one CUDA device; index tensors int32, ascending):
 
 ``predictor(h, mlp_a, mlp_b, head_a=None, head_b=None, *, kept_units, kept_heads=0, eps=1e-6,
-            out=None, workspace=None) -> (mlp_idx [K] int32, head_idx [Kh] int32 or None)``
+            out=None, workspace=None, parts="both") -> (mlp_idx [K] int32, head_idx [Kh] int32 or None)``
     DejaVuLookaheadPredictor: h [B,d], mlp_a [d,r_m], mlp_b [r_m,Nb], head_a [d,r_h], head_b [r_h,H].
-    ``out=(mlp_idx, head_idx)`` writes into preallocated int32 tensors.
+    ``out=(mlp_idx, head_idx)`` writes into preallocated int32 tensors. ``parts="mlp"`` or ``"heads"``
+    runs one part alone, with the same bits as the whole call.
 
 ``sparse_mlp(x, idx, *, activation, block_size=1, w_up, w_down_t, w_gate=None, b_up=None,
              b_down=None, residual=None, out=None, workspace=None) -> y [B,d]``
@@ -40,6 +41,10 @@ Norm folding (the CUDA executor's; not part of the op contract): ``row_stats(z) 
 norm(x) without its affine part (the caller folds the norm's weight and bias into the op's weights,
 ``fold_norm``), and ``y_stats=`` (a tensor from ``empty_stats``) to receive the statistics of y.
 
+The decode step's ends (the CUDA executor's; not part of the op contract): ``embed(tokens, positions, emb,
+pos_emb=None, *, pos_offset=0)`` is the embedding in one launch, and ``greedy_tail(logits, tokens,
+position=None, logits_out=None)`` the fp32 logits, their argmax and the position increment in one launch.
+
 ``set_mlp_grid_slack(sms) -> previous``: the fused sm_90 MLP's grid sized for ``sms`` fewer SMs, leaving
 room for the predictor's top-k CTAs on its side stream (process-wide; batch 1's timed step choice in the
 executor uses it).
@@ -56,6 +61,7 @@ from pathlib import Path
 __all__ = [
     "available", "load_library", "open_library", "library_path", "KernelsUnavailable",
     "predictor", "sparse_mlp", "head_sparse_attention", "norm", "row_stats", "empty_stats", "fold_norm",
+    "embed", "greedy_tail",
     "predictor_workspace_size", "sparse_mlp_workspace_size", "head_attention_workspace_size", "set_mlp_grid_slack",
 ]
 
@@ -64,7 +70,7 @@ _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
 _NORM = {"layernorm": 0, "rmsnorm": 1}
-ABI_VERSION = 5  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
+ABI_VERSION = 6  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
 
@@ -129,6 +135,14 @@ def open_library(path: str | Path) -> ctypes.CDLL:
                                  "with `python -m dejavu_trt.kernels.build`")
     lib.djv_set_mlp_grid_slack.restype = I  # ABI 5
     lib.djv_set_mlp_grid_slack.argtypes = [I]
+    lib.djv_lookahead_predictor_parts.restype = I  # ABI 6
+    lib.djv_lookahead_predictor_parts.argtypes = [P] * 8 + [I] * 8 + [F, I, P, Z, I, P]
+    lib.djv_embed.restype = I
+    lib.djv_embed.argtypes = [P] * 4 + [I, P] + [I] * 5 + [P]
+    lib.djv_greedy_tail_workspace_size.restype = Z
+    lib.djv_greedy_tail_workspace_size.argtypes = [I, I]
+    lib.djv_greedy_tail.restype = I
+    lib.djv_greedy_tail.argtypes = [P] * 4 + [I] * 3 + [P, Z, P]
     return lib
 
 
@@ -210,27 +224,75 @@ def head_attention_workspace_size(B, d, H, Hkv, hd, Kh, T, kv_policy) -> int:
     return int(load_library().djv_head_attention_workspace_size(B, d, H, Hkv, hd, Kh, T, _POLICY[kv_policy]))
 
 
+_PARTS = {"both": 3, "mlp": 1, "heads": 2}
+
+
 def predictor(h, mlp_a, mlp_b, head_a=None, head_b=None, *, kept_units: int, kept_heads: int = 0,
-              eps: float = 1e-6, out=None, workspace=None, mlp_scores=None):
+              eps: float = 1e-6, out=None, workspace=None, mlp_scores=None, parts: str = "both"):
+    """parts="mlp" / "heads" runs one part of the call (djv_lookahead_predictor_parts): its indices are
+    bit-identical to the whole call's, and the other part's output is left untouched (None when not given)."""
     import torch
     lib = load_library()
     B, d = h.shape
     r_m, Nb = mlp_b.shape
     heads = head_a is not None
     r_h, H = (head_b.shape if heads else (0, 0))
+    if parts not in _PARTS or (parts == "heads" and not heads):
+        raise ValueError(f"parts={parts!r}: use both, mlp or heads (heads needs head_a and head_b)")
+    if not heads:
+        parts = "mlp"
     dev = h.device
     if out is None:
-        mlp_idx = torch.empty(kept_units, dtype=torch.int32, device=dev)
-        head_idx = torch.empty(kept_heads, dtype=torch.int32, device=dev) if heads else None
+        mlp_idx = torch.empty(kept_units, dtype=torch.int32, device=dev) if parts != "heads" else None
+        head_idx = torch.empty(kept_heads, dtype=torch.int32, device=dev) if heads and parts != "mlp" else None
     else:
         mlp_idx, head_idx = out
     ws = _workspace("predictor", lib.djv_predictor_workspace_size(B, d, r_m, Nb, r_h, H), dev, workspace)
-    st = lib.djv_lookahead_predictor(
+    st = lib.djv_lookahead_predictor_parts(
         _ptr(h), _ptr(mlp_a), _ptr(mlp_b), _ptr(head_a), _ptr(head_b), _ptr(mlp_idx), _ptr(head_idx),
         _ptr(mlp_scores), B, d, r_m, Nb, kept_units, r_h, H, kept_heads, eps, _dtype_code(h),
-        _ptr(ws), ws.numel(), _stream())
+        _ptr(ws), ws.numel(), _PARTS[parts], _stream())
     _check(st, "predictor")
     return mlp_idx, head_idx
+
+
+def embed(tokens, positions, emb, pos_emb=None, *, pos_offset: int = 0, out=None):
+    """y [rows,d] = emb[tokens] + pos_emb[positions + pos_offset] in one launch (the decode step's embedding);
+    tokens int64 [rows], positions int32 [rows] (unused without pos_emb). Ids outside a table give NaN rows."""
+    import torch
+    lib = load_library()
+    if tokens.dtype != torch.int64 or tokens.dim() != 1:
+        raise ValueError("embed: tokens must be a 1-D int64 tensor")
+    if pos_emb is not None and (positions is None or positions.dtype != torch.int32 or positions.shape != tokens.shape):
+        raise ValueError("embed: positions must be an int32 tensor shaped like tokens")
+    if pos_emb is not None and pos_emb.dtype != emb.dtype:
+        raise ValueError("embed: emb and pos_emb must share a dtype")
+    V, d = emb.shape
+    y = out if out is not None else torch.empty(tokens.shape[0], d, dtype=emb.dtype, device=emb.device)
+    st = lib.djv_embed(_ptr(tokens), _ptr(positions) if pos_emb is not None else None, _ptr(emb), _ptr(pos_emb),
+                       int(pos_offset), _ptr(y), tokens.shape[0], d, V,
+                       pos_emb.shape[0] if pos_emb is not None else 0, _dtype_code(emb), _stream())
+    _check(st, "embed")
+    return y
+
+
+def greedy_tail(logits, tokens, position=None, logits_out=None, workspace=None):
+    """One launch after the LM head: logits_out (float32, may be None) = logits, tokens (int64 [B]) = their
+    argmax (torch.argmax's order: NaN first, then the lower index), position (int32 [B], may be None) += 1."""
+    import torch
+    lib = load_library()
+    B, V = logits.shape
+    if tokens.dtype != torch.int64 or tokens.shape != (B,):
+        raise ValueError(f"greedy_tail: tokens must be int64 [{B}]")
+    if position is not None and (position.dtype != torch.int32 or position.shape != (B,)):
+        raise ValueError(f"greedy_tail: position must be int32 [{B}]")
+    if logits_out is not None and (logits_out.dtype != torch.float32 or logits_out.shape != (B, V)):
+        raise ValueError(f"greedy_tail: logits_out must be float32 [{B}, {V}]")
+    ws = _workspace("greedy_tail", lib.djv_greedy_tail_workspace_size(B, V), logits.device, workspace)
+    st = lib.djv_greedy_tail(_ptr(logits), _ptr(logits_out), _ptr(tokens), _ptr(position), B, V,
+                             _dtype_code(logits), _ptr(ws), ws.numel(), _stream())
+    _check(st, "greedy_tail")
+    return tokens
 
 
 def _fold_args(x_stats, norm_kind, norm_eps, y_stats):

@@ -184,12 +184,10 @@ class Executor:
             self._decode_into_buffers()
 
     def _decode_into_buffers(self) -> None:
-        logits = self.decoder.decode_step(self.tokens, self.position, self.k_caches, self.v_caches)
+        logits = self.decoder.decode_step(self.tokens, self.position, self.k_caches, self.v_caches, raw_logits=True)
         if self.logits is None:
-            self.logits = torch.empty_like(logits)
-        self.logits.copy_(logits)
-        self.tokens.copy_(logits.argmax(-1))
-        self.position.add_(1)
+            self.logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        self.ops.greedy_tail(logits, self.logits, self.tokens, self.position)  # logits, argmax, position + 1
 
     def step(self, tokens: torch.Tensor | None = None, *, eager: bool = False) -> torch.Tensor:
         """One decode step for the tokens in the buffer (greedy continuation by default, or `tokens`).
@@ -200,7 +198,11 @@ class Executor:
         if self.pos_host >= self.T:
             raise DejaVuError(f"the context of {self.T} tokens is full: generate fewer tokens or raise --max-context")
         if tokens is not None:
-            self.tokens.copy_(tokens.to(self.device).reshape(self.batch))
+            tokens = torch.as_tensor(tokens).reshape(self.batch)
+            V = self.w.embed.shape[0]
+            if not tokens.is_cuda and bool(((tokens < 0) | (tokens >= V)).any()):  # the embedding kernel would give NaN
+                raise DejaVuError(f"token ids {tokens.tolist()} are outside the vocabulary of {V}")
+            self.tokens.copy_(tokens.to(self.device))
         with torch.inference_mode():
             if self.use_graph and not eager:
                 if self.graph is None:

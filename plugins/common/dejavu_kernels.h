@@ -31,13 +31,15 @@ extern "C" {
 #define DJV_API __attribute__((visibility("default")))
 #endif
 
-#define DJV_ABI_VERSION 5  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
-                              4: norm folding (djv_row_stats, djv_*_folded); 5: djv_set_mlp_grid_slack */
+#define DJV_ABI_VERSION 6  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
+                              4: norm folding (djv_row_stats, djv_*_folded); 5: djv_set_mlp_grid_slack;
+                              6: djv_lookahead_predictor_parts, djv_embed, djv_greedy_tail */
 
 enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
 enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
 enum djv_kv_policy { DJV_KV_DENSE = 0, DJV_KV_ACTIVE = 1 };
 enum djv_norm_kind { DJV_LAYERNORM = 0, DJV_RMSNORM = 1 };
+enum djv_predictor_parts { DJV_PRED_MLP = 1, DJV_PRED_HEADS = 2 };
 
 enum djv_status {
     DJV_OK = 0,
@@ -70,6 +72,17 @@ DJV_API int djv_lookahead_predictor(const void* h, const void* mlp_a, const void
                                     const void* head_b, int32_t* mlp_idx, int32_t* head_idx, float* mlp_scores,
                                     int B, int d, int r_m, int Nb, int K, int r_h, int H, int Kh, float eps,
                                     int dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+/* The same call running only the parts in `parts` (DJV_PRED_MLP | DJV_PRED_HEADS; DJV_PRED_HEADS needs
+ * head_a). The plan is the one for every part given, so each part's indices are bit-identical to the full
+ * call's. The parts use disjoint regions of the workspace, but two calls in flight at once still need two
+ * workspaces (a call's regions are reused by the next call). The executor runs layer 0's heads on its own
+ * and its MLP part beside layer 0's attention. */
+DJV_API int djv_lookahead_predictor_parts(const void* h, const void* mlp_a, const void* mlp_b, const void* head_a,
+                                          const void* head_b, int32_t* mlp_idx, int32_t* head_idx,
+                                          float* mlp_scores, int B, int d, int r_m, int Nb, int K, int r_h, int H,
+                                          int Kh, float eps, int dtype, void* workspace, size_t workspace_bytes,
+                                          int parts, cudaStream_t stream);
 
 /* ---- DejaVuSparseMLP ----------------------------------------------------------------------
  * x [B,d], idx [K] int32 (block indices, ascending), w_up [N,d], w_gate [N,d] (silu_glu only),
@@ -133,6 +146,19 @@ DJV_API int djv_head_sparse_attention_folded(const void* x, const int32_t* head_
                                              int Kh, int T, int rotary, float scale, int kv_policy,
                                              const float* x_stats, int norm_kind, float norm_eps, float* y_stats,
                                              int dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+/* ---- The decode step's first and last kernels (CUDA executor; not plugins) ---------------
+ * djv_embed: y [rows,d] = emb[tokens[r]] + pos_emb[positions[r] + pos_offset] (pos_emb may be NULL: no
+ * position term), added in fp32 and rounded once. tokens int64, positions int32; emb [V,d], pos_emb [Tp,d].
+ * A token or position outside its table gives a row of NaN. No workspace.
+ * djv_greedy_tail: for logits [B,V] (fp16/bf16): logits_out [B,V] float32 = logits (may be NULL),
+ * tokens [B] int64 = argmax (NaN above every number, the lower index on ties, as torch.argmax), and
+ * position [B] int32 += 1 (may be NULL). Limits: V <= 2^21. */
+DJV_API int djv_embed(const int64_t* tokens, const int32_t* positions, const void* emb, const void* pos_emb,
+                      int pos_offset, void* y, int rows, int d, int V, int Tp, int dtype, cudaStream_t stream);
+DJV_API size_t djv_greedy_tail_workspace_size(int B, int V);
+DJV_API int djv_greedy_tail(const void* logits, float* logits_out, int64_t* tokens, int32_t* position, int B, int V,
+                            int dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

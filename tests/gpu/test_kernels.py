@@ -251,6 +251,27 @@ def test_head_sparse_attention(B, H, Hkv, hd, d, T, Kh, rotary, kv_policy, dtype
     check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype)
 
 
+@pytest.mark.parametrize("B,H,Hkv,Kh", [(1, 8, 8, 2), (4, 8, 8, 3), (3, 8, 2, 5)])
+def test_attention_positions_across_token_splits(B, H, Hkv, Kh):
+    """The context split over several CTAs per head and merged by the last to arrive. Successive calls move
+    each row's position across split boundaries (one split, two, all, back to one), so a counter not reset or
+    a stale partial from an earlier call would show."""
+    hd, d, T, dtype = 64, 256, 300, torch.float16  # several splits of the context
+    x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
+    hidx = rand_idx(H, Kh)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
+    plan = [0, 63, 64, 299, 10, 127, 128, 200, 31, 1, 255, 256]
+    for call in range(len(plan)):
+        pos = torch.tensor([plan[(call + b) % len(plan)] for b in range(B)], device="cuda", dtype=torch.int32)
+        want_y, want_k, want_v = attn_ref(x, hidx, pos, w, kc, vc, **kw)
+        y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+        kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y, **kw)
+        assert torch.isfinite(y).all(), f"call {call}, positions {pos.tolist()}: unwritten outputs"
+        assert relerr(y, want_y) < TOL[dtype], f"call {call}, positions {pos.tolist()}"
+        kc.copy_(want_k.to(dtype))  # the next call sees the caches as the reference left them
+        vc.copy_(want_v.to(dtype))
+
+
 @pytest.mark.parametrize("alias", [False, True], ids=["out", "in-place"])
 @pytest.mark.parametrize("B", [1, 3, 16])
 def test_attention_residual(B, alias):
