@@ -127,12 +127,6 @@ def fixed_index_ops(recompute: bool = False):
             if recompute or key not in self.cache:
                 self.cache.setdefault(key, super().predictor(h, lw, kept_units, kept_heads))
             return self.cache[key]
-
-        def predictor_part(self, h, lw, kept_units, kept_heads, part):  # layer 0's split call, likewise
-            key = (id(lw), part)
-            if recompute or key not in self.cache:
-                self.cache.setdefault(key, super().predictor_part(h, lw, kept_units, kept_heads, part))
-            return self.cache[key]
     return FixedIndexOps()
 
 
@@ -143,8 +137,8 @@ def defer_joins(ex) -> None:
     dec = ex.decoder
     launch, lm_head, pending = dec._launch_predictor, dec.lm_head, []
 
-    def launch_without_join(layer, h, idx, part=None):
-        ev = launch(layer, h, idx, part=part)
+    def launch_without_join(layer, h, idx):
+        ev = launch(layer, h, idx)
         if ev is not None:
             pending.append(ev)
         return None

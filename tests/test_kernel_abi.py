@@ -158,25 +158,6 @@ def test_mlp_grid_slack_setter(lib):
         lib.djv_set_mlp_grid_slack(before)
 
 
-@pytest.mark.parametrize("parts,heads,mlp_idx,head_idx,want", [
-    (3, True, FAKE, FAKE, "launch"), (1, True, FAKE, None, "launch"), (2, True, None, FAKE, "launch"),
-    (1, False, FAKE, None, "launch"),
-    (0, True, FAKE, FAKE, DJV_E_SHAPE), (4, True, FAKE, FAKE, DJV_E_SHAPE),  # no part / unknown part
-    (2, False, FAKE, FAKE, DJV_E_SHAPE),   # the heads part without head weights
-    (1, True, None, FAKE, -4), (2, True, FAKE, None, -4),  # the part that runs needs its output
-])
-def test_predictor_parts_argument_checks(lib, parts, heads, mlp_idx, head_idx, want):
-    B, d, r_m, Nb, K, r_h, H, Kh = 1, 5120, 128, 20480, 5120, 64, 40, 8
-    ws = lib.djv_predictor_workspace_size(B, d, r_m, Nb, r_h if heads else 0, H if heads else 0)
-    ha, hb = (FAKE, FAKE) if heads else (None, None)
-    st = lib.djv_lookahead_predictor_parts(FAKE, FAKE, FAKE, ha, hb, mlp_idx, head_idx, None, B, d, r_m, Nb, K, r_h,
-                                           H, Kh, 1e-5, 0, FAKE, ws, parts, None)
-    if want == "launch":
-        assert st > 0, f"status {st} ({lib.djv_status_string(st).decode()}), expected a launch error"
-    else:
-        assert st == want
-
-
 @pytest.mark.parametrize("rows,d,pos_emb,positions,want", [
     (1, 5120, FAKE, FAKE, "launch"), (16, 576, None, None, "launch"),
     (1, 12, None, None, DJV_E_SHAPE), (0, 64, None, None, DJV_E_SHAPE),

@@ -13,10 +13,9 @@ Library lookup: ``$DEJAVU_KERNELS_LIB``, else ``plugins/build/libdejavu_kernels.
 Functions (fp16 or bf16 tensors, contiguous, on one CUDA device; index tensors int32, ascending):
 
 ``predictor(h, mlp_a, mlp_b, head_a=None, head_b=None, *, kept_units, kept_heads=0, eps=1e-6,
-            out=None, workspace=None, parts="both") -> (mlp_idx [K] int32, head_idx [Kh] int32 or None)``
+            out=None, workspace=None) -> (mlp_idx [K] int32, head_idx [Kh] int32 or None)``
     DejaVuLookaheadPredictor: h [B,d], mlp_a [d,r_m], mlp_b [r_m,Nb], head_a [d,r_h], head_b [r_h,H].
-    ``out=(mlp_idx, head_idx)`` writes into preallocated int32 tensors. ``parts="mlp"`` or ``"heads"``
-    runs one part alone, with the same bits as the whole call.
+    ``out=(mlp_idx, head_idx)`` writes into preallocated int32 tensors.
 
 ``sparse_mlp(x, idx, *, activation, block_size=1, w_up, w_down_t, w_gate=None, b_up=None,
              b_down=None, residual=None, out=None, workspace=None) -> y [B,d]``
@@ -135,9 +134,7 @@ def open_library(path: str | Path) -> ctypes.CDLL:
                                  "with `python -m dejavu_trt.kernels.build`")
     lib.djv_set_mlp_grid_slack.restype = I  # ABI 5
     lib.djv_set_mlp_grid_slack.argtypes = [I]
-    lib.djv_lookahead_predictor_parts.restype = I  # ABI 6
-    lib.djv_lookahead_predictor_parts.argtypes = [P] * 8 + [I] * 8 + [F, I, P, Z, I, P]
-    lib.djv_embed.restype = I
+    lib.djv_embed.restype = I  # ABI 6
     lib.djv_embed.argtypes = [P] * 4 + [I, P] + [I] * 5 + [P]
     lib.djv_greedy_tail_workspace_size.restype = Z
     lib.djv_greedy_tail_workspace_size.argtypes = [I, I]
@@ -224,34 +221,25 @@ def head_attention_workspace_size(B, d, H, Hkv, hd, Kh, T, kv_policy) -> int:
     return int(load_library().djv_head_attention_workspace_size(B, d, H, Hkv, hd, Kh, T, _POLICY[kv_policy]))
 
 
-_PARTS = {"both": 3, "mlp": 1, "heads": 2}
-
-
 def predictor(h, mlp_a, mlp_b, head_a=None, head_b=None, *, kept_units: int, kept_heads: int = 0,
-              eps: float = 1e-6, out=None, workspace=None, mlp_scores=None, parts: str = "both"):
-    """parts="mlp" / "heads" runs one part of the call (djv_lookahead_predictor_parts): its indices are
-    bit-identical to the whole call's, and the other part's output is left untouched (None when not given)."""
+              eps: float = 1e-6, out=None, workspace=None, mlp_scores=None):
     import torch
     lib = load_library()
     B, d = h.shape
     r_m, Nb = mlp_b.shape
     heads = head_a is not None
     r_h, H = (head_b.shape if heads else (0, 0))
-    if parts not in _PARTS or (parts == "heads" and not heads):
-        raise ValueError(f"parts={parts!r}: use both, mlp or heads (heads needs head_a and head_b)")
-    if not heads:
-        parts = "mlp"
     dev = h.device
     if out is None:
-        mlp_idx = torch.empty(kept_units, dtype=torch.int32, device=dev) if parts != "heads" else None
-        head_idx = torch.empty(kept_heads, dtype=torch.int32, device=dev) if heads and parts != "mlp" else None
+        mlp_idx = torch.empty(kept_units, dtype=torch.int32, device=dev)
+        head_idx = torch.empty(kept_heads, dtype=torch.int32, device=dev) if heads else None
     else:
         mlp_idx, head_idx = out
     ws = _workspace("predictor", lib.djv_predictor_workspace_size(B, d, r_m, Nb, r_h, H), dev, workspace)
-    st = lib.djv_lookahead_predictor_parts(
+    st = lib.djv_lookahead_predictor(
         _ptr(h), _ptr(mlp_a), _ptr(mlp_b), _ptr(head_a), _ptr(head_b), _ptr(mlp_idx), _ptr(head_idx),
         _ptr(mlp_scores), B, d, r_m, Nb, kept_units, r_h, H, kept_heads, eps, _dtype_code(h),
-        _ptr(ws), ws.numel(), _PARTS[parts], _stream())
+        _ptr(ws), ws.numel(), _stream())
     _check(st, "predictor")
     return mlp_idx, head_idx
 

@@ -6,7 +6,6 @@ the embeddings), so on a GPU it runs on a side stream while layer l runs, joined
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -134,9 +133,6 @@ class Decoder:
         self.kept_heads = w.config.heads_kept
         self.block = w.config.block_size
         self.record: list | None = None   # set to a list to capture (layer, mlp_input, mlp_idx) for metrics
-        # layer 0's predictor split into its heads part (inline) and MLP part (side stream);
-        # DEJAVU_SPLIT_PREDICTOR0=0 keeps it whole, for A/B runs
-        self.split_first_predictor = os.environ.get("DEJAVU_SPLIT_PREDICTOR0", "1") != "0"
 
     # --- pieces ---------------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -199,22 +195,10 @@ class Decoder:
         inputs = [h]  # kept alive for the whole step: the side stream may still be reading them
         ctx = self.ops.step_context(position, k_caches[0].shape[2], rope)
         sparse = not self.dense
-        mlp0_event = None  # layer 0's MLP part of the predictor, when it runs beside layer 0's attention
         if sparse:
-            if self.split_first_predictor and self.side_stream is not None:
-                # Layer 0's predictor is on the critical path (nothing runs before it): only its heads part
-                # runs there; its MLP part runs on the side stream beside layer 0's attention, joined before
-                # layer 0's MLP. The side stream is ordered before the heads part is enqueued, so the two
-                # overlap, and layer 1's predictor follows the MLP part there.
-                mlp0_event = self._launch_predictor(0, h, idx, part="mlp")
-                if L > 1:
-                    events[1] = self._launch_predictor(1, h, idx)
-                heads0 = self.ops.predictor_part(h, self.w.layers[0], self.kept[0], self.kept_heads[0], "heads")
-                idx[0] = (idx[0], heads0)
-            else:
-                self._predict(0, h, idx)
-                if L > 1:
-                    events[1] = self._launch_predictor(1, h, idx)
+            self._predict(0, h, idx)
+            if L > 1:
+                events[1] = self._launch_predictor(1, h, idx)
         fold_attn, fold_mlp = "attn" in self.fold_norms, "mlp" in self.fold_norms
         h_stats = self.ops.row_stats(h) if fold_attn else None  # layer 0's input; later ones from the MLP
         for i, lw in enumerate(self.w.layers):
@@ -241,8 +225,6 @@ class Decoder:
                 h = self.ops.attention_residual(h, self.norm(h, "attn_norm", lw), head_idx, position, lw,
                                                 k_caches[i], v_caches[i], **akw, **a_stats)
             m_stats = {"y_stats": self.ops.empty_stats(h)} if fold_attn and i + 1 < L else {}
-            if i == 0 and mlp0_event is not None:
-                torch.cuda.current_stream().wait_event(mlp0_event)
             if fold_mlp:  # likewise the MLP, from the attention's statistics
                 if self.record is not None:
                     self.record.append((i, self.norm(h, "mlp_norm", lw), mlp_idx))
@@ -257,22 +239,15 @@ class Decoder:
             inputs.append(h)
         return self.lm_head(h) if raw_logits else self.logits(h)
 
-    def _launch_predictor(self, layer: int, h: torch.Tensor, idx: list, part: str | None = None):
-        """Predictor for `layer` (or its `part`: idx[layer] is then that part's indices) on the side stream, or
-        inline when there is none; returns the join event."""
-        def predict():
-            if part is None:
-                self._predict(layer, h, idx)
-            else:
-                idx[layer] = self.ops.predictor_part(h, self.w.layers[layer], self.kept[layer],
-                                                     self.kept_heads[layer], part)
+    def _launch_predictor(self, layer: int, h: torch.Tensor, idx: list):
+        """Predictor for `layer` on the side stream (or inline when there is none); returns the join event."""
         if self.side_stream is None:
-            predict()
+            self._predict(layer, h, idx)
             return None
         main = torch.cuda.current_stream()
         self.side_stream.wait_stream(main)
         with torch.cuda.stream(self.side_stream):
-            predict()
+            self._predict(layer, h, idx)
             ev = torch.cuda.Event()
             ev.record(self.side_stream)
         return ev

@@ -77,11 +77,6 @@ class ReferenceOps:
     def predictor(self, h, lw: LayerWeights, kept_units: int, kept_heads: int):
         return ref.lookahead_predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units, kept_heads)
 
-    def predictor_part(self, h, lw: LayerWeights, kept_units: int, kept_heads: int, part: str):
-        """One part of predictor(): part "mlp" gives its mlp_idx, "heads" its head_idx, the same values."""
-        mlp_idx, head_idx = self.predictor(h, lw, kept_units, kept_heads)
-        return mlp_idx if part == "mlp" else head_idx
-
     # --- the decode step's ends ---------------------------------------------------------------
     def embed(self, emb, pos_emb, tokens, positions, pos_offset: int):
         h = emb[tokens]
@@ -136,15 +131,13 @@ class TorchOps(ReferenceOps):
 
     def predictor(self, h, lw, kept_units, kept_heads):
         # fp32 scores: fp16 scores tie often, and ties would make the selection depend on the backend.
-        return (TorchOps.predictor_part(self, h, lw, kept_units, kept_heads, "mlp"),
-                TorchOps.predictor_part(self, h, lw, kept_units, kept_heads, "heads"))
-
-    def predictor_part(self, h, lw, kept_units, kept_heads, part):
         hf = h.float()
         z = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + PREDICTOR_EPS)
-        a, b, k = (lw.mlp_a, lw.mlp_b, kept_units) if part == "mlp" else (lw.head_a, lw.head_b, kept_heads)
-        s = ((z @ a.float()) @ b.float()).amax(0)
-        return torch.sort(torch.topk(s, k, sorted=False).indices).values.to(torch.int32)
+
+        def top(a, b, k):
+            s = ((z @ a.float()) @ b.float()).amax(0)
+            return torch.sort(torch.topk(s, k, sorted=False).indices).values.to(torch.int32)
+        return top(lw.mlp_a, lw.mlp_b, kept_units), top(lw.head_a, lw.head_b, kept_heads)
 
     def mlp(self, x, idx, lw, activation, block_size):
         j = ref.expand_blocks(idx, block_size)
@@ -231,7 +224,6 @@ class KernelOps(TorchOps):
         kernels.load_library()  # raises KernelsUnavailable when the library is not built
         self.k = kernels
         self._rope: dict = {}
-        self._heads_ws: torch.Tensor | None = None
         # the step's embedding and greedy tail as one launch each; DEJAVU_FUSED_STEP_ENDS=0 keeps torch's (A/B)
         self.fused_step_ends = os.environ.get("DEJAVU_FUSED_STEP_ENDS", "1") != "0"
         self.torch_predictor = torch_predictor
@@ -255,26 +247,10 @@ class KernelOps(TorchOps):
         return self.k.predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units=kept_units,
                                 kept_heads=kept_heads)
 
-    def predictor_part(self, h, lw, kept_units, kept_heads, part):
-        """The kernels' part call: bit-identical to that part of predictor(). The heads part has a workspace
-        of its own: the decode step runs it on the main stream while the MLP part (and the predictors
-        after it, sharing the default workspace in stream order) run on the side stream."""
-        if self.torch_predictor:
-            return TorchOps.predictor_part(self, h, lw, kept_units, kept_heads, part)
-        ws = None
-        if part == "heads":
-            need = self.k.predictor_workspace_size(h.shape[0], h.shape[1], lw.mlp_b.shape[0], lw.mlp_b.shape[1],
-                                                   lw.head_b.shape[0], lw.head_b.shape[1])
-            if self._heads_ws is None or self._heads_ws.numel() < need:
-                self._heads_ws = torch.zeros(need, dtype=torch.uint8, device=h.device)  # counters start at zero
-            ws = self._heads_ws
-        mlp_idx, head_idx = self.k.predictor(h, lw.mlp_a, lw.mlp_b, lw.head_a, lw.head_b, kept_units=kept_units,
-                                             kept_heads=kept_heads, parts=part, workspace=ws)
-        return mlp_idx if part == "mlp" else head_idx
-
     def embed(self, emb, pos_emb, tokens, positions, pos_offset):
-        if self.fused_step_ends and tokens.dim() == 1 and tokens.dtype == torch.int64 and emb.dtype in (torch.float16, torch.bfloat16) \
-                and emb.shape[1] % 8 == 0 and (pos_emb is None or positions.dtype == torch.int32):
+        fits = tokens.dim() == 1 and tokens.dtype == torch.int64 and emb.shape[1] % 8 == 0 \
+            and emb.dtype in (torch.float16, torch.bfloat16) and (pos_emb is None or positions.dtype == torch.int32)
+        if self.fused_step_ends and fits:
             return self.k.embed(tokens, positions, emb, pos_emb, pos_offset=pos_offset)
         return super().embed(emb, pos_emb, tokens, positions, pos_offset)
 

@@ -33,13 +33,12 @@ extern "C" {
 
 #define DJV_ABI_VERSION 6  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
                               4: norm folding (djv_row_stats, djv_*_folded); 5: djv_set_mlp_grid_slack;
-                              6: djv_lookahead_predictor_parts, djv_embed, djv_greedy_tail */
+                              6: djv_embed, djv_greedy_tail */
 
 enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
 enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
 enum djv_kv_policy { DJV_KV_DENSE = 0, DJV_KV_ACTIVE = 1 };
 enum djv_norm_kind { DJV_LAYERNORM = 0, DJV_RMSNORM = 1 };
-enum djv_predictor_parts { DJV_PRED_MLP = 1, DJV_PRED_HEADS = 2 };
 
 enum djv_status {
     DJV_OK = 0,
@@ -72,17 +71,6 @@ DJV_API int djv_lookahead_predictor(const void* h, const void* mlp_a, const void
                                     const void* head_b, int32_t* mlp_idx, int32_t* head_idx, float* mlp_scores,
                                     int B, int d, int r_m, int Nb, int K, int r_h, int H, int Kh, float eps,
                                     int dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream);
-
-/* The same call running only the parts in `parts` (DJV_PRED_MLP | DJV_PRED_HEADS; DJV_PRED_HEADS needs
- * head_a). The plan is the one for every part given, so each part's indices are bit-identical to the full
- * call's. The parts use disjoint regions of the workspace, but two calls in flight at once still need two
- * workspaces (a call's regions are reused by the next call). The executor runs layer 0's heads on its own
- * and its MLP part beside layer 0's attention. */
-DJV_API int djv_lookahead_predictor_parts(const void* h, const void* mlp_a, const void* mlp_b, const void* head_a,
-                                          const void* head_b, int32_t* mlp_idx, int32_t* head_idx,
-                                          float* mlp_scores, int B, int d, int r_m, int Nb, int K, int r_h, int H,
-                                          int Kh, float eps, int dtype, void* workspace, size_t workspace_bytes,
-                                          int parts, cudaStream_t stream);
 
 /* ---- DejaVuSparseMLP ----------------------------------------------------------------------
  * x [B,d], idx [K] int32 (block indices, ascending), w_up [N,d], w_gate [N,d] (silu_glu only),

@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kEmbedThreads) embed_kernel(const int64_t* __r
     const int64_t tok = tokens[r];
     const int p = pemb ? positions[r] + pos_offset : 0;
     float o[8];
-    if (tok < 0 || tok >= V || p < 0 || p >= Tp) {
+    if (tok < 0 || tok >= V || (pemb && (p < 0 || p >= Tp))) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[e] = __int_as_float(0x7fc00000);
     } else {

@@ -667,27 +667,13 @@ DJV_API int djv_lookahead_predictor(const void* h, const void* mlp_a, const void
                                     const void* head_b, int32_t* mlp_idx, int32_t* head_idx, float* mlp_scores,
                                     int B, int d, int r_m, int Nb, int K, int r_h, int H, int Kh, float eps,
                                     int dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-    return djv_lookahead_predictor_parts(h, mlp_a, mlp_b, head_a, head_b, mlp_idx, head_idx, mlp_scores, B, d, r_m,
-                                         Nb, K, r_h, H, Kh, eps, dtype, workspace, workspace_bytes,
-                                         DJV_PRED_MLP | DJV_PRED_HEADS, stream);
-}
-
-DJV_API int djv_lookahead_predictor_parts(const void* h, const void* mlp_a, const void* mlp_b, const void* head_a,
-                                          const void* head_b, int32_t* mlp_idx, int32_t* head_idx,
-                                          float* mlp_scores, int B, int d, int r_m, int Nb, int K, int r_h, int H,
-                                          int Kh, float eps, int dtype, void* workspace, size_t workspace_bytes,
-                                          int parts, cudaStream_t stream) {
     const bool heads = head_a != nullptr;
-    if (parts < 1 || parts > (DJV_PRED_MLP | DJV_PRED_HEADS) || (!heads && parts != DJV_PRED_MLP))
-        return DJV_E_SHAPE;
     if (B < 1 || B > kMaxB || d < 1 || r_m < 1 || r_m > 2048 || Nb < 1 || Nb > 65536 || K < 1 || K > Nb)
         return DJV_E_SHAPE;
     if (heads && (r_h < 1 || r_h > 2048 || H < 1 || H > 65536 || Kh < 1 || Kh > H))
         return DJV_E_SHAPE;
     if (dtype != DJV_FLOAT16 && dtype != DJV_BFLOAT16) return DJV_E_DTYPE;
-    const bool run_mlp = parts & DJV_PRED_MLP, run_heads = heads && (parts & DJV_PRED_HEADS);
-    if (!h || !mlp_a || !mlp_b || (run_mlp && !mlp_idx) || (heads && !head_b) || (run_heads && !head_idx))
-        return DJV_E_POINTER;
+    if (!h || !mlp_a || !mlp_b || !mlp_idx || (heads && (!head_b || !head_idx))) return DJV_E_POINTER;
     if (!aligned16(workspace)) return DJV_E_POINTER;
     PredPlan p = plan_pred(B, d, r_m, Nb, heads ? r_h : 0, heads ? H : 0);
     // 16-byte loads need aligned bases (rows are aligned when the row lengths are multiples of 8)
@@ -695,10 +681,8 @@ DJV_API int djv_lookahead_predictor_parts(const void* h, const void* mlp_a, cons
     if (p.vec_b == 8 && (!aligned16(mlp_b) || (heads && !aligned16(head_b)))) p.vec_b = 2;
     if (!workspace || workspace_bytes < p.total) return DJV_E_WORKSPACE;
     if (2 * p.ncg > kMaxCounters) return DJV_E_SHAPE;
-    // The plan above covers both parts whichever run, so a part computes the same bits alone as together;
-    // a part left out keeps its shapes (the plan's) but no weights: its CTAs exit at once.
-    Part p0{run_mlp ? mlp_a : nullptr, mlp_b, r_m, Nb, K, mlp_idx};
-    Part p1{run_heads ? head_a : nullptr, head_b, heads ? r_h : 0, heads ? H : 0, Kh, head_idx};
+    Part p0{mlp_a, mlp_b, r_m, Nb, K, mlp_idx};
+    Part p1{heads ? head_a : nullptr, head_b, heads ? r_h : 0, heads ? H : 0, Kh, head_idx};
     if (dtype == DJV_FLOAT16) return run_pred<__half>(h, p0, p1, mlp_scores, B, d, eps, p, workspace, stream);
     return run_pred<__nv_bfloat16>(h, p0, p1, mlp_scores, B, d, eps, p, workspace, stream);
 }

@@ -1,4 +1,4 @@
-"""The decode step's own kernels (embedding, greedy tail) and the predictor's part calls, against torch.
+"""The decode step's own kernels (embedding, greedy tail) against torch.
 
 Fresh random inputs each run; outputs poisoned before each call. The embedding and the tail are exact
 (one fp32 add rounded once, a copy, an argmax), so they are compared bit for bit.
@@ -117,37 +117,3 @@ def test_greedy_tail_rejects_bad_arguments():
     with pytest.raises(ValueError, match="float32"):
         kernels.greedy_tail(logits, torch.zeros(2, device="cuda", dtype=torch.long),
                             logits_out=torch.zeros(2, 10, device="cuda", dtype=torch.float16))
-
-
-# ------------------------------------------------------------------------------------------ predictor parts
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("B,d,r_m,Nb,K,r_h,H,Kh", [
-    (1, 5120, 128, 20480, 5120, 64, 40, 8),   # the benchmark shape
-    (1, 576, 64, 1536, 768, 32, 9, 6),        # SmolLM2-135M
-    (3, 200, 7, 33, 5, 5, 9, 1),              # odd ranks and unit counts
-    (2, 256, 16, 3000, 300, 16, 1025, 40),    # heads in the top-k kernel's second CTA
-])
-def test_predictor_parts_are_bit_identical_to_the_whole_call(B, d, r_m, Nb, K, r_h, H, Kh, dtype):
-    h = rand(B, d, dtype=dtype, scale=3.0)
-    ma, mb = rand(d, r_m, dtype=dtype, scale=d ** -0.5), rand(r_m, Nb, dtype=dtype, scale=r_m ** -0.5)
-    ha, hb = rand(d, r_h, dtype=dtype, scale=d ** -0.5), rand(r_h, H, dtype=dtype, scale=r_h ** -0.5)
-    want_m, want_h = kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=Kh)
-    poison = lambda n: torch.full((n,), -7, device="cuda", dtype=torch.int32)  # noqa: E731
-    mi, hi = poison(K), poison(Kh)
-    kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=Kh, out=(mi, hi), parts="mlp")
-    assert torch.equal(mi, want_m) and (hi == -7).all()  # the heads' output is not touched
-    mi, hi = poison(K), poison(Kh)
-    ws = torch.zeros(kernels.predictor_workspace_size(B, d, r_m, Nb, r_h, H), device="cuda", dtype=torch.uint8)
-    kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=Kh, out=(mi, hi), parts="heads", workspace=ws)
-    assert torch.equal(hi, want_h) and (mi == -7).all()
-    m2, h2 = kernels.predictor(h, ma, mb, ha, hb, kept_units=K, kept_heads=Kh, parts="heads")
-    assert m2 is None and torch.equal(h2, want_h)
-
-
-def test_predictor_parts_checked():
-    h = rand(1, 64, dtype=torch.float16)
-    ma, mb = rand(64, 8, dtype=torch.float16), rand(8, 100, dtype=torch.float16)
-    with pytest.raises(ValueError, match="parts"):
-        kernels.predictor(h, ma, mb, kept_units=4, parts="heads")  # no heads given
-    with pytest.raises(ValueError, match="parts"):
-        kernels.predictor(h, ma, mb, kept_units=4, parts="everything")

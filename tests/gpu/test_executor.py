@@ -67,19 +67,6 @@ class _Recording:
         self.calls.append(tuple(t.cpu() for t in out))
         return out
 
-    def predictor_part(self, h, lw, k, kh, part):
-        """Layer 0's split predictor: the MLP part comes first (side stream), its heads part after layer 1's
-        predictor; recorded as one call at the MLP part's place."""
-        if self.replay is not None:
-            raise AssertionError("the replayed (CPU) executor has no side stream, so it never splits")
-        out = self.inner.predictor_part(h, lw, k, kh, part)
-        if part == "mlp":
-            self._open = len(self.calls)
-            self.calls.append((out.cpu(), None))
-        else:
-            self.calls[self._open] = (self.calls[self._open][0], out.cpu())
-        return out
-
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
@@ -165,26 +152,6 @@ def test_graph_and_side_stream_do_not_change_results(ops, batch):
         got = _decode(Executor(gw, ops=ops, batch=batch, max_context=32, cuda_graph=graph, side_stream=side,
                                fold_norms=False), prompt, 6)
         torch.testing.assert_close(got, base, atol=1e-3, rtol=0)
-
-
-@pytest.mark.parametrize("family", ["llama", "opt"])
-@pytest.mark.parametrize("batch", [1, 3])
-def test_split_first_predictor_is_bit_identical(family, batch, monkeypatch):
-    """Layer 0's predictor as two part calls (heads inline, MLP part on the side stream) gives the very same
-    steps as the whole call, in a CUDA graph; and the split really happens (both parts are called)."""
-    from dejavu_trt.runtime.executor import Executor
-    gw, _ = _weights(family, "cuda", torch.float16, kv_policy="active")
-    prompt = torch.randint(0, 512, (batch, 5), generator=torch.Generator().manual_seed(6))
-    runs = {}
-    for split in ("0", "1"):
-        monkeypatch.setenv("DEJAVU_SPLIT_PREDICTOR0", split)
-        ex = Executor(gw, batch=batch, max_context=32, fold_norms=False)
-        parts = []
-        inner = ex.decoder.ops.predictor_part
-        ex.decoder.ops.predictor_part = lambda *a, _i=inner: parts.append(a[-1]) or _i(*a)
-        runs[split] = (_decode(ex, prompt, 6), parts)
-    assert runs["0"][1] == [] and runs["1"][1][:2] == ["mlp", "heads"]
-    assert torch.equal(runs["0"][0], runs["1"][0])
 
 
 def test_step_rejects_tokens_outside_the_vocabulary():
