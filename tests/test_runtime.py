@@ -379,3 +379,23 @@ def test_bench_names_the_timed_step_variant():
     line = step_variant_line({"step_choice": {"chosen": "mlp", "ms_per_step": {"none": 1.1, "mlp": 1.0},
                                               "cached": "/home/u/.cache/dejavu_trt/step_choice.json"}})
     assert "timed earlier on this machine, from /home/u/.cache/dejavu_trt/step_choice.json" in line
+
+
+def test_step_refuses_token_ids_outside_the_vocabulary():
+    """A token id past the vocabulary is refused before the step (the GPU embedding kernel would give NaN
+    rows, torch's gather a device-side assert); ids inside it decode."""
+    from dejavu_trt.errors import DejaVuError
+    from dejavu_trt.models.adapters import adapter_for
+    from dejavu_trt.runtime.decoder import DecoderWeights
+    from dejavu_trt.runtime.executor import Executor
+    from dejavu_trt.runtime.package import EngineConfig, engine_weights
+    ad = adapter_for(_tiny("opt", vocab=512))
+    dims = ad.dims()
+    w, extra = engine_weights(ad)
+    cfg = EngineConfig("t", dims.to_dict(), "fp32", [40, 17], [1, 3], max_context=32, **extra)
+    ex = Executor(DecoderWeights.from_tensors(cfg, w, _predictors(dims)), ops="reference", batch=2, max_context=16)
+    ex.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    for bad in ([0, 512], [-1, 3]):
+        with pytest.raises(DejaVuError, match="outside the vocabulary of 512"):
+            ex.step(torch.tensor(bad))
+    assert ex.step(torch.tensor([0, 511])).shape == (2, 512)
