@@ -125,8 +125,6 @@ __global__ void __launch_bounds__(kTailThreads) greedy_tail_kernel(const T* __re
     }
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 int tail_blocks(int V) { return cdiv(V, kTailChunk); }
 
 }  // namespace

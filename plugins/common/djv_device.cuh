@@ -387,6 +387,8 @@ inline int device_attr(int fallback) {
     return v;
 }
 inline int sm_count() { return device_attr<cudaDevAttrMultiProcessorCount>(132); }
+// The C ABI's 16-byte alignment rule (dejavu_kernels.h), checked by every entry point.
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 inline int smem_optin() { return device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024); }
 inline int resident_ctas() { return 2 * sm_count(); }
 inline int down_splits(int d, int Mpad) {

@@ -91,8 +91,6 @@ int run_norm(const void* x, const void* w, const void* b, void* y, int rows, int
     return (int)(vpt == 1 ? args(norm_kernel<T, 1>) : args(norm_kernel<T, 2>));
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 }  // namespace
 
 extern "C" DJV_API int djv_norm(const void* x, const void* weight, const void* bias, void* y, int rows, int d,

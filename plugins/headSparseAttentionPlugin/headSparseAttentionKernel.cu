@@ -532,8 +532,6 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     return (int)e;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 }  // namespace
 
 extern "C" {

@@ -556,8 +556,6 @@ struct PredPlan {
     size_t off_part, off_ssq, off_u, off_scores, total;
 };
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 PredPlan plan_pred(int B, int d, int r_m, int Nb, int r_h, int H) {
     PredPlan p;
     p.rmax = r_m > r_h ? r_m : r_h;

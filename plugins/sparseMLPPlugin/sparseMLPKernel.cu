@@ -504,8 +504,6 @@ int run_mlp(const void* x, const int32_t* idx, const void* w_gate, const void* w
     return (int)e;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 }  // namespace
 
 extern "C" {
