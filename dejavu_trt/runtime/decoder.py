@@ -148,7 +148,7 @@ class Decoder:
         return self.lm_head(h).float()
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits in the weights' dtype (the executor's greedy tail converts them as it takes the argmax)."""
+        """Logits in the weights' dtype."""
         return F.linear(self.norm(h, "final"), self.w.lm_head)
 
     # --- prefill (dense, whole prompt) ----------------------------------------------------------
@@ -182,10 +182,9 @@ class Decoder:
         lw = self.w.layers[layer]
         out[layer] = self.ops.predictor(h, lw, self.kept[layer], self.kept_heads[layer])
 
-    def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, k_caches, v_caches, *,
-                    raw_logits: bool = False) -> torch.Tensor:
-        """tokens [B], position [B] int32 -> logits [B, V] (float32, or the weights' dtype with raw_logits);
-        writes cache slot `position`."""
+    def decode_step(self, tokens: torch.Tensor, position: torch.Tensor, k_caches, v_caches) -> torch.Tensor:
+        """tokens [B], position [B] int32 -> logits [B, V] in the weights' dtype (the executor's greedy tail
+        converts them); writes cache slot `position`."""
         d = self.dims
         L = d.num_layers
         h = self.embed(tokens, position)
@@ -237,7 +236,7 @@ class Decoder:
                 h = self.ops.mlp_residual(h, x, mlp_idx, lw, d.activation, self.block, **m_stats)
             h_stats = m_stats.get("y_stats")
             inputs.append(h)
-        return self.lm_head(h) if raw_logits else self.logits(h)
+        return self.lm_head(h)
 
     def _launch_predictor(self, layer: int, h: torch.Tensor, idx: list):
         """Predictor for `layer` on the side stream (or inline when there is none); returns the join event."""

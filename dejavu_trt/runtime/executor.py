@@ -184,7 +184,7 @@ class Executor:
             self._decode_into_buffers()
 
     def _decode_into_buffers(self) -> None:
-        logits = self.decoder.decode_step(self.tokens, self.position, self.k_caches, self.v_caches, raw_logits=True)
+        logits = self.decoder.decode_step(self.tokens, self.position, self.k_caches, self.v_caches)
         if self.logits is None:
             self.logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         self.ops.greedy_tail(logits, self.logits, self.tokens, self.position)  # logits, argmax, position + 1
