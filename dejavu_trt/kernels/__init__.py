@@ -72,6 +72,10 @@ _NORM = {"layernorm": 0, "rmsnorm": 1}
 ABI_VERSION = 6  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
+# Buffers the cache has replaced by larger ones. A CUDA graph captured while one was cached still writes to it
+# on every replay (an Engine keeps one executor, and its graph, per batch size), so it must never go back to
+# the allocator: it is kept for the life of the process.
+_ws_retired: list = []
 
 
 class KernelsUnavailable(RuntimeError):
@@ -182,7 +186,8 @@ def _stream():
 
 
 def _workspace(op: str, nbytes: int, device, given):
-    """A zero-filled uint8 buffer of >= nbytes; cached per (device, op) and grown on demand."""
+    """A zero-filled uint8 buffer of >= nbytes; cached per (device, op) and grown on demand (the buffer it
+    replaces stays allocated: graphs captured with it still use it)."""
     import torch
     if given is not None:
         if given.numel() < nbytes or given.dtype != torch.uint8 or not given.is_cuda:
@@ -194,6 +199,8 @@ def _workspace(op: str, nbytes: int, device, given):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{op}: workspace must be allocated before graph capture; call once eagerly first "
                                "or pass workspace=")
+        if buf is not None:
+            _ws_retired.append(buf)
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)  # counters must start at zero
         _ws_cache[key] = buf
     return buf

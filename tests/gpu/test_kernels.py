@@ -782,6 +782,44 @@ def test_cuda_graph_capture_and_replay():
         check_caches(kc0, vc0, kc, vc, want_k, want_v, dtype)
 
 
+def test_cached_workspace_outlives_growth():
+    """A graph captured with an op's cached workspace keeps working after a larger call grows the cache and
+    the freed-up sizes are allocated again and filled with junk (the attention's split-merge counters live in
+    that workspace: junk there leaves outputs unwritten). Before the cache kept replaced buffers, the old one
+    went back to the allocator while the graph still wrote to it."""
+    dtype = torch.float16
+    H, hd, d, T, Kh = 8, 64, 512, 300, 3
+    x, w, kc, vc = make_attn(1, H, H, hd, d, T, dtype)
+    hidx = rand_idx(H, Kh)
+    pos = torch.tensor([T - 1], device="cuda", dtype=torch.int32)  # a long context: several token splits
+    kw = dict(num_heads=H, num_kv_heads=H, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
+    old = kernels.head_attention_workspace_size(1, d, H, H, hd, Kh, T, "active")
+    # start the cache at this test's size (earlier tests may have grown it past batch 4's need already)
+    kernels._ws_retired.append(kernels._ws_cache.pop((torch.cuda.current_device(), "head_attention"), None))
+    y = torch.empty(1, d, device="cuda", dtype=dtype)
+    want, _, _ = kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, **kw)  # allocates the cache
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y, **kw)
+    # a batch-4 call needs more workspace: the cache grows
+    x4, w4, kc4, vc4 = make_attn(4, H, H, hd, d, T, dtype)
+    pos4 = torch.full((4,), T - 1, device="cuda", dtype=torch.int32)
+    assert kernels.head_attention_workspace_size(4, d, H, H, hd, Kh, T, "active") > old
+    kernels.head_sparse_attention(x4, hidx, pos4, *w4.values(), kc4, vc4, **kw)
+    junk = [torch.full((old,), 255, device="cuda", dtype=torch.uint8) for _ in range(8)]
+    y.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all(), "the replay left outputs unwritten: its workspace was handed out again"
+    assert torch.equal(y, want)
+    del junk
+
+
 # ------------------------------------------------------------------- programmatic dependent launch chain
 @pytest.mark.parametrize("fold", [False, True], ids=["norm-kernel", "norm-folded"])
 @pytest.mark.parametrize("B,d,N", [(1, 1024, 4096), (2, 1032, 3000), (4, 520, 2000)])
