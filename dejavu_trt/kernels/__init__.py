@@ -2,7 +2,8 @@
 
 ctypes over the C ABI. Every call enqueues on ``torch.cuda.current_stream()`` and never synchronises
 with the host, so a sequence of calls can be captured in a CUDA graph. Workspaces are zero-filled
-device buffers cached per (device, op, size) and reused (the kernels leave their counters at zero);
+device buffers cached per (device, op) and reused (the kernels leave their counters at zero), grown
+when a call needs more (the replaced buffer stays allocated: a CUDA graph captured with it still uses it);
 pass ``workspace=`` (a uint8 CUDA tensor of at least ``*_workspace_size(...)`` bytes, zero-filled once)
 to own it instead, e.g. one per concurrent stream. Two ops running concurrently on different streams
 must not share a workspace.
