@@ -795,7 +795,9 @@ def test_cached_workspace_outlives_growth():
     kw = dict(num_heads=H, num_kv_heads=H, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
     old = kernels.head_attention_workspace_size(1, d, H, H, hd, Kh, T, "active")
     # start the cache at this test's size (earlier tests may have grown it past batch 4's need already)
-    kernels._ws_retired.append(kernels._ws_cache.pop((torch.cuda.current_device(), "head_attention"), None))
+    earlier = kernels._ws_cache.pop((torch.cuda.current_device(), "head_attention"), None)
+    if earlier is not None:  # retired like any replaced buffer: earlier tests' graphs may still hold it
+        kernels._ws_retired.append(earlier)
     y = torch.empty(1, d, device="cuda", dtype=dtype)
     want, _, _ = kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, **kw)  # allocates the cache
     s = torch.cuda.Stream()
