@@ -6,6 +6,13 @@ cd "$(dirname "$0")"
 VENV=${DEJAVU_VENV:-.venv}
 PY=${PYTHON:-python3}
 
+# A symlinked venv whose target is gone (a machine rebuilt under a kept checkout): make the venv where the
+# link points; `python -m venv` on the link itself fails ("File exists", "Unable to create directory").
+if [ -L "$VENV" ] && [ ! -e "$VENV" ]; then
+    target=$(readlink -f "$VENV")
+    echo "$VENV links to $target, which is missing: creating the venv there"
+    "$PY" -m venv "$target"
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
