@@ -6,14 +6,9 @@ cd "$(dirname "$0")"
 VENV=${DEJAVU_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-# A symlinked venv whose target is gone (a machine rebuilt under a kept checkout): make the venv where the
-# link points; `python -m venv` on the link itself fails ("File exists", "Unable to create directory").
-if [ -L "$VENV" ] && [ ! -e "$VENV" ]; then
-    target=$(readlink -f "$VENV")
-    echo "$VENV links to $target, which is missing: creating the venv there"
-    "$PY" -m venv "$target"
-fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# The venv is made at the resolved path: where $VENV is a symlink whose target is gone (a machine rebuilt
+# under a kept checkout), `python -m venv` on the link itself fails ("File exists").
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$(readlink -m "$VENV")"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
 # The CPU build of torch (a local wheel on these machines); an unpinned torch would pull a multi-GB CUDA build.
