@@ -7,6 +7,7 @@
 // bytes of one row per instruction reaches 2.6 TB/s on a 52 MB gather and 3.7 TB/s on 210 MB. At batch <= 4
 // the FMAs fit easily on the CUDA cores, so these kernels use the 512-byte pattern; batch 5-16 keeps mma.
 #pragma once
+#include <math.h>
 #include "djv_bulk.cuh"
 #include "djv_device.cuh"
 #include "djv_stats.cuh"
@@ -144,12 +145,58 @@ inline RowsDownPlan plan_rows_down(int d, int M, int B) {
     return p;
 }
 
-template <typename T, int NB>
-__global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __restrict__ act, int Mpad,
+// The attention core's per-split partial softmaxes (headSparseAttentionKernel.cu), which the output
+// projection can read in place of its activations: active row j = head position j / hd, element j % hd;
+// split k of (batch row b, head position h) is part[((b * Kh + h) * nsplit + k) * (hd + 2)] = {max m,
+// sum l, values[hd]} (base-2 softmax; l = 0 for a split past position[b], whose values are never written).
+// Merging them where they are used takes the attention core's last-arrival merge (a fence, an atomic and
+// two more L2 round trips) off the chain: the loads go out beside the weight loads.
+struct SplitParts { const float* part; int nsplit, Kh, hd; };
+
+// LPR lanes (adjacent, all 32 of the warp calling) merge one (row, batch row): lane q of the group takes
+// splits q, q + LPR, ...; the group then combines its running (max, sum, value) states by shuffles. With at
+// most 32 splits and 8 per lane the loads are one batch, in flight beside the weights'.
+template <typename T, int LPR>
+__device__ __forceinline__ float merged_row(const SplitParts& sp, bool valid, int b, int j, int q) {
+    float M = -INFINITY, den = 0.f, num = 0.f;  // online softmax over this lane's splits
+    if (valid) {
+        const int h = j / sp.hd, e = j - h * sp.hd, stride = sp.hd + 2;
+        const float* pk = sp.part + (((size_t)b * sp.Kh + h) * sp.nsplit + q) * stride;
+#pragma unroll 8
+        for (int k = q; k < sp.nsplit; k += LPR, pk += (size_t)LPR * stride) {
+            const float m = __ldcg(pk), l = __ldcg(pk + 1), v = __ldcg(pk + 2 + e);
+            if (l > 0.f) {  // a split past position[b] has l = 0 and values never written
+                if (m > M) {
+                    const float s = exp2f(M - m);
+                    den *= s;
+                    num *= s;
+                    M = m;
+                }
+                const float w = exp2f(m - M);
+                den = fmaf(w, l, den);
+                num = fmaf(w, v, num);
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 1; o < LPR; o <<= 1) {
+        const float M2 = __shfl_xor_sync(0xffffffffu, M, o), d2 = __shfl_xor_sync(0xffffffffu, den, o),
+                    n2 = __shfl_xor_sync(0xffffffffu, num, o);
+        const float Mn = fmaxf(M, M2);
+        const float s1 = M == -INFINITY ? 0.f : exp2f(M - Mn), s2 = M2 == -INFINITY ? 0.f : exp2f(M2 - Mn);
+        den = den * s1 + d2 * s2;
+        num = num * s1 + n2 * s2;
+        M = Mn;
+    }
+    return round_io<T>(num / den);  // as the merged activations were stored: rounded to T
+}
+
+template <typename T, int NB, bool MERGE = false>
+__global__ void __launch_bounds__(kSkThreads, NB == 1 ? 3 : 2) rows_down_kernel(const T* __restrict__ act, int Mpad,
                                                                   const int32_t* __restrict__ idx, int bs, int M,
                                                                   const T* __restrict__ w, const T* __restrict__ bias,
                                                                   const T* residual, T* y, float* __restrict__ part,
-                                                                  int B, int d, RowsDownPlan p) {
+                                                                  int B, int d, RowsDownPlan p, SplitParts sp) {
     pdl_wait_primary();  // launched early (launch_down): act comes from the kernel before
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
     const int lane = threadIdx.x & 31;
@@ -170,8 +217,23 @@ __global__ void __launch_bounds__(kSkThreads, 2) rows_down_kernel(const T* __res
             const bool ok = j + u < j1;
             const int row = expand_row(idx, ok ? j + u : j0, bs);
             wv[u] = (ok && colok) ? ld_stream(w + (size_t)row * d + col) : zero4();
+            if (!MERGE) {
 #pragma unroll
-            for (int b = 0; b < NB; ++b) a[u][b] = (ok && b < B) ? to_f(act[(size_t)b * Mpad + j + u]) : 0.f;
+                for (int b = 0; b < NB; ++b) a[u][b] = (ok && b < B) ? to_f(act[(size_t)b * Mpad + j + u]) : 0.f;
+            }
+        }
+        if (MERGE) {  // lanes (b * 8 + u) * LPR + q merge (row j + u, batch row b) while the weights are in flight
+            constexpr int LPR = 32 / (kRowsDownU * NB);
+            static_assert(LPR >= 1 && LPR * kRowsDownU * NB == 32, "lane groups tile the warp");
+            const int q = lane % LPR, u = (lane / LPR) % kRowsDownU, bb = lane / (LPR * kRowsDownU);
+            const float mine = merged_row<T, LPR>(sp, j + u < j1 && bb < B, bb, j + u, q);
+#pragma unroll
+            for (int uu = 0; uu < kRowsDownU; ++uu)
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    const float v = __shfl_sync(0xffffffffu, mine, (b * kRowsDownU + uu) * LPR);
+                    a[uu][b] = (j + uu < j1 && b < B) ? v : 0.f;  // an idle group's value is 0 / 0
+                }
         }
 #pragma unroll
         for (int u = 0; u < kRowsDownU; ++u) {
@@ -278,23 +340,29 @@ inline size_t down_part_floats(int B, int d, int M, int Mpad) {
 // act: [16][Mpad]. Batch > 4: rows >= B and padded entries (m >= M) must be zero; batch <= 4 reads rows < B
 // and entries m < M only. Batch <= 4 is launched with programmatic dependent launch (djv_bulk.cuh).
 // y_stats (may be null): the row statistics of y (djv_stats.cuh), from the reduction where there is one.
+// sp (batch <= 4 only): the activations are the attention core's split partials, merged on load.
 template <typename T>
 inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int bs, int M, const T* w, const T* bias,
                                const T* residual, T* y, float* part, unsigned* ctr, int B, int d, cudaStream_t st,
-                               float2* y_stats = nullptr) {
+                               float2* y_stats = nullptr, const SplitParts* sp = nullptr) {
     if (!use_rows(B)) {
+        if (sp) return cudaErrorInvalidValue;
         cudaError_t e = launch_down_mma<T>(act, Mpad, idx, bs, M, w, bias, residual, y, part, ctr, B, d, st);
         if (e != cudaSuccess || !y_stats) return e;
         return launch_row_stats<T>(y, y_stats, B, d, st);
     }
     const RowsDownPlan p = plan_rows_down(d, M, B);
     const int ctas = cdiv(p.C * p.S, kSkThreads / 32);
+    const SplitParts none{nullptr, 0, 0, 0};
     auto go = [&](auto kern) {
         return launch_pdl(kern, dim3(ctas), dim3(kSkThreads), 0, st, act, Mpad, idx, bs, M, w, bias, residual, y, part,
-                          B, d, p);
+                          B, d, p, sp ? *sp : none);
     };
-    cudaError_t e = rows_nb(B) == 1 ? go(rows_down_kernel<T, 1>)
-                                    : (rows_nb(B) == 2 ? go(rows_down_kernel<T, 2>) : go(rows_down_kernel<T, 4>));
+    cudaError_t e;
+    if (sp) e = rows_nb(B) == 1 ? go(rows_down_kernel<T, 1, true>)
+                                : (rows_nb(B) == 2 ? go(rows_down_kernel<T, 2, true>) : go(rows_down_kernel<T, 4, true>));
+    else e = rows_nb(B) == 1 ? go(rows_down_kernel<T, 1>)
+                             : (rows_nb(B) == 2 ? go(rows_down_kernel<T, 2>) : go(rows_down_kernel<T, 4>));
     if (e != cudaSuccess) return e;
     if (p.C > 1) return launch_rows_reduce<T>(part, bias, residual, y, B, d, p.C, st, y_stats);
     if (y_stats) return launch_row_stats<T>(y, y_stats, B, d, st);

@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const float* __restrict__ qkv, int R, const int32_t* __restrict__ head_idx, const int32_t* __restrict__ position,
     const T* __restrict__ rcos, const T* __restrict__ rsin, T* __restrict__ kc, T* __restrict__ vc,
     float* __restrict__ part, unsigned* __restrict__ ctr, T* __restrict__ o_act, int H, int Hkv, int Kh, int Tlen,
-    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit) {
+    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit, int merge_here) {
     constexpr int TPR = HD / 8, RP = kAttnThreads / TPR, PSTRIDE = HD + 2;
     extern __shared__ float sm[];
     float* q_s = sm;                 // [GMAX][HD] (pre-scaled by scale*log2(e))
@@ -238,7 +238,9 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     if (st < 0) return;  // fewer items than Kh this step (uniform over z: the counter is never touched)
     const int G = s_info[1] - st, kv = s_info[2], slot = s_info[3];
     const int t0 = z * L, t1 = min(t0 + L, pos + 1), n = t1 - t0;
-    float* mypart = part + (((size_t)b * Kh + x) * nsplit + z) * GMAX * PSTRIDE;
+    // split z's partial of head position st + g: part[((b * Kh + st + g) * nsplit + z) * PSTRIDE] (SplitParts)
+    float* mypart = part + (((size_t)b * Kh + st) * nsplit + z) * PSTRIDE;
+    const size_t gstride = (size_t)nsplit * PSTRIDE;
 
     if (n > 0) {
         const int r = tid / TPR, l = tid % TPR;
@@ -359,27 +361,28 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             const int g = i / HD, e = i % HD;
             float s = 0.f;
             for (int rr = 0; rr < RP; ++rr) s += ored[((size_t)rr * GMAX + g) * HD + e];
-            mypart[g * PSTRIDE + 2 + e] = s;
+            mypart[g * gstride + 2 + e] = s;
         }
-        if (tid < G) { mypart[tid * PSTRIDE] = s_m[tid]; mypart[tid * PSTRIDE + 1] = s_l[tid]; }
+        if (tid < G) { mypart[tid * gstride] = s_m[tid]; mypart[tid * gstride + 1] = s_l[tid]; }
     } else {  // split past position[b]: an empty partial (skipped when merging)
         pdl_wait_primary();  // no writes before the wait (djv_bulk.cuh)
         pdl_launch_dependents();
-        if (tid < GMAX) {
-            mypart[tid * PSTRIDE] = -INFINITY;
-            mypart[tid * PSTRIDE + 1] = 0.f;
+        if (tid < G) {
+            mypart[tid * gstride] = -INFINITY;
+            mypart[tid * gstride + 1] = 0.f;
         }
     }
+    if (!merge_here) return;  // the output projection merges the splits as it loads them (djv_rows.cuh)
     if (!last_arrival(ctr + (size_t)b * Kh + x, (unsigned)nsplit)) return;
     // Merge the splits' partial softmaxes. Each split's weight exp2(m_k - M) / den is computed once per head
     // (warp g, lanes over splits) into shared memory, so the per-element sums below are independent loads
     // that pipeline, instead of a chain of L2 round trips per split. ored is free now: nsplit <= kMaxSplits.
-    const float* pb = part + ((size_t)b * Kh + x) * nsplit * GMAX * PSTRIDE;
+    const float* pb = part + ((size_t)b * Kh + st) * nsplit * PSTRIDE;  // head position st + g at g * gstride
     float* wsp = ored;  // [GMAX][nsplit]
     for (int g = wid; g < G; g += kAttnThreads / 32) {
         float M = -INFINITY;
         for (int k = lane; k < nsplit; k += 32) {
-            const float* pz = pb + ((size_t)k * GMAX + g) * PSTRIDE;
+            const float* pz = pb + g * gstride + (size_t)k * PSTRIDE;
             const float mk = __ldcg(pz), lk = __ldcg(pz + 1);
             wsp[g * nsplit + k] = lk > 0.f ? mk : -INFINITY;
             if (lk > 0.f) M = fmaxf(M, mk);
@@ -389,7 +392,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         for (int k = lane; k < nsplit; k += 32) {
             const float mk = wsp[g * nsplit + k];
             const float w = mk == -INFINITY ? 0.f : exp2f(mk - M);
-            den += w * __ldcg(pb + ((size_t)k * GMAX + g) * PSTRIDE + 1);
+            den += w * __ldcg(pb + g * gstride + (size_t)k * PSTRIDE + 1);
             wsp[g * nsplit + k] = w;
         }
         den = warp_sum(den);
@@ -404,10 +407,19 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
 #pragma unroll 8
         for (int k = 0; k < nsplit; ++k) {  // empty splits (w = 0) wrote no values: never read them
             const float w = wsp[g * nsplit + k];
-            num = fmaf(w, w != 0.f ? __ldcg(pb + ((size_t)k * GMAX + g) * PSTRIDE + 2 + e) : 0.f, num);
+            num = fmaf(w, w != 0.f ? __ldcg(pb + g * gstride + (size_t)k * PSTRIDE + 2 + e) : 0.f, num);
         }
         o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num);
     }
+}
+
+// Batch <= 4 with at most 32 splits: the output projection merges the splits' partial softmaxes as it loads
+// them (SplitParts, djv_rows.cuh), 32 / (8 x batch rows) lanes per (row, batch row) looping over the
+// splits; past 32 splits those loops would outlast the attention core's own merge, whose lanes cover the
+// splits. DJV_ATTN_MERGE_DOWN=0: always merge in the attention core (for A/B runs).
+inline bool merge_in_projection(int B, int nsplit) {
+    static const int on = env_int("DJV_ATTN_MERGE_DOWN", 0, 1, 1);
+    return on && use_rows(B) && nsplit <= 32;
 }
 
 struct AttnPlan {
@@ -451,24 +463,24 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
 template <typename T, int HD, int GM>
 cudaError_t launch_attn_g(const AttnPlan& p, const float* qkv, const int32_t* hidx, const int32_t* pos, const T* rc,
                         const T* rs, T* kc, T* vc, float* part, unsigned* ctr, T* o_act, int B, int H, int Hkv, int Kh,
-                        int Tlen, int rotary, float qscale, int policy, cudaStream_t st) {
+                        int Tlen, int rotary, float qscale, int policy, int merge_here, cudaStream_t st) {
     cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, HD, GM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
     if (e != cudaSuccess) return e;
     dim3 grid(Kh + p.nslots, B, p.nsplit);
     // Programmatic dependent launch: the KV-cache reads overlap the tail of the QKV projection.
     return launch_pdl(attn_kernel<T, HD, GM>, grid, dim3(kAttnThreads), p.smem, st, qkv, p.R, hidx, pos, rc, rs, kc, vc,
-                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit);
+                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit, merge_here);
 }
 
 template <typename T, int HD>
 cudaError_t launch_attn(const AttnPlan& p, const float* qkv, const int32_t* hidx, const int32_t* pos, const T* rc,
                         const T* rs, T* kc, T* vc, float* part, unsigned* ctr, T* o_act, int B, int H, int Hkv, int Kh,
-                        int Tlen, int rotary, float qscale, int policy, cudaStream_t st) {
+                        int Tlen, int rotary, float qscale, int policy, int merge_here, cudaStream_t st) {
     if (H == Hkv)
         return launch_attn_g<T, HD, 1>(p, qkv, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, B, H, Hkv, Kh, Tlen, rotary,
-                                       qscale, policy, st);
+                                       qscale, policy, merge_here, st);
     return launch_attn_g<T, HD, GMAX>(p, qkv, hidx, pos, rc, rs, kc, vc, part, ctr, o_act, B, H, Hkv, Kh, Tlen, rotary,
-                                      qscale, policy, st);
+                                      qscale, policy, merge_here, st);
 }
 
 template <typename T>
@@ -514,21 +526,25 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
+    const bool merge_down = merge_in_projection(B, p.nsplit);
+    const int mh = merge_down ? 0 : 1;
     const T* rct = static_cast<const T*>(rc);
     const T* rst = static_cast<const T*>(rs);
     T* kct = static_cast<T*>(kc);
     T* vct = static_cast<T*>(vc);
     switch (hd) {
     case 64: e = launch_attn<T, 64>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv, Kh,
-                                    Tlen, rotary, qscale, policy, st); break;
+                                    Tlen, rotary, qscale, policy, mh, st); break;
     case 128: e = launch_attn<T, 128>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv,
-                                      Kh, Tlen, rotary, qscale, policy, st); break;
+                                      Kh, Tlen, rotary, qscale, policy, mh, st); break;
     default: e = launch_attn<T, 256>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv,
-                                     Kh, Tlen, rotary, qscale, policy, st); break;
+                                     Kh, Tlen, rotary, qscale, policy, mh, st); break;
     }
     if (e != cudaSuccess) return (int)e;
+    const SplitParts sp{pattn, p.nsplit, Kh, hd};
     e = launch_down<T>(o_act, p.Mo, hidx, hd, p.Mo, static_cast<const T*>(wo), static_cast<const T*>(bo),
-                       static_cast<const T*>(residual), static_cast<T*>(y), pdown, ctr + p.ctr_down, B, d, st, y_stats);
+                       static_cast<const T*>(residual), static_cast<T*>(y), pdown, ctr + p.ctr_down, B, d, st, y_stats,
+                       merge_down ? &sp : nullptr);
     return (int)e;
 }
 

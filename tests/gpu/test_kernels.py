@@ -272,6 +272,28 @@ def test_attention_positions_across_token_splits(B, H, Hkv, Kh):
         vc.copy_(want_v.to(dtype))
 
 
+@pytest.mark.parametrize("B,Kh,T", [(1, 1, 2048), (1, 1, 2049), (1, 1, 4100), (3, 2, 2048), (3, 2, 2816)])
+def test_attention_split_merge_either_side_of_the_projection_limit(B, Kh, T):
+    """Batch <= 4 with at most 32 context splits: the output projection merges the splits' partial softmaxes
+    as it loads them; past 32 the attention core merges them itself (merge_in_projection). The shapes sit on
+    both sides of the limit: 2048 tokens over 1 head at batch 1 are 32 splits of 64, 2049 are 33; 3 rows x
+    2 heads split 2048 tokens in 32 and 2816 in 44. Positions leave splits empty, and a later call at an
+    earlier position leaves stale values behind them, which neither merge may read."""
+    H, Hkv, hd, d, dtype = 4, 2, 128, 384, torch.float16
+    x, w, kc, vc = make_attn(B, H, Hkv, hd, d, T, dtype)
+    hidx = rand_idx(H, Kh)
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
+    for first in (T - 1, T // 3, 5):
+        pos = torch.tensor([(first + 97 * b) % T for b in range(B)], device="cuda", dtype=torch.int32)
+        want_y, want_k, want_v = attn_ref(x, hidx, pos, w, kc, vc, **kw)
+        y = torch.full((B, d), float("nan"), device="cuda", dtype=dtype)
+        kernels.head_sparse_attention(x, hidx, pos, *w.values(), kc, vc, out=y, **kw)
+        assert torch.isfinite(y).all(), f"positions {pos.tolist()}: unwritten outputs"
+        assert relerr(y, want_y) < TOL[dtype], f"positions {pos.tolist()}"
+        kc.copy_(want_k.to(dtype))
+        vc.copy_(want_v.to(dtype))
+
+
 @pytest.mark.parametrize("alias", [False, True], ids=["out", "in-place"])
 @pytest.mark.parametrize("B", [1, 3, 16])
 def test_attention_residual(B, alias):
