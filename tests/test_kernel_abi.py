@@ -179,3 +179,17 @@ def test_greedy_tail_argument_checks(lib):
     assert lib.djv_greedy_tail(FAKE, None, FAKE2, None, 4, 50272, 0, FAKE, need - 1, None) == DJV_E_WORKSPACE
     assert lib.djv_greedy_tail(FAKE, None, FAKE2, None, 1, (1 << 21) + 1, 0, FAKE, 1 << 30, None) == DJV_E_SHAPE
     assert lib.djv_greedy_tail(FAKE, None, None, None, 1, 100, 0, FAKE, need, None) == -4  # no token output
+
+
+def test_indices_ready_setter(lib):
+    """djv_set_indices_ready (ABI 7) returns the previous setting, starts off (the kernels then assume the
+    indices may come from the kernel just before) and accepts only 0 and 1."""
+    before = lib.djv_set_indices_ready(1)
+    try:
+        assert before == 0
+        assert lib.djv_set_indices_ready(2) == DJV_E_SHAPE
+        assert lib.djv_set_indices_ready(-1) == DJV_E_SHAPE
+        assert lib.djv_set_indices_ready(0) == 1
+        assert lib.djv_set_indices_ready(0) == 0
+    finally:
+        lib.djv_set_indices_ready(before)

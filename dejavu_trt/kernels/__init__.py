@@ -49,6 +49,11 @@ position=None, logits_out=None)`` the fp32 logits, their argmax and the position
 room for the predictor's top-k CTAs on its side stream (process-wide; batch 1's timed step choice in the
 executor uses it).
 
+``set_indices_ready(ready) -> previous``: the caller's promise that the index inputs of the MLP and attention
+calls it enqueues were written at least two kernels earlier (or on a stream joined before the kernel just
+before); the QKV projection and the fused MLP then read indices and first weight rows before their
+programmatic-launch wait. Process-wide; the CUDA executor sets it while it enqueues its decode step.
+
 Limits (checked, ValueError otherwise): 1 <= B <= 16; d % 8 == 0; head_dim in {64, 128, 256};
 predictor ranks <= 2048. ``*_workspace_size`` give the byte counts.
 """
@@ -63,6 +68,7 @@ __all__ = [
     "predictor", "sparse_mlp", "head_sparse_attention", "norm", "row_stats", "empty_stats", "fold_norm",
     "embed", "greedy_tail",
     "predictor_workspace_size", "sparse_mlp_workspace_size", "head_attention_workspace_size", "set_mlp_grid_slack",
+    "set_indices_ready",
 ]
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +76,7 @@ _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
 _NORM = {"layernorm": 0, "rmsnorm": 1}
-ABI_VERSION = 6  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
+ABI_VERSION = 7  # DJV_ABI_VERSION of plugins/common/dejavu_kernels.h
 _lib = None
 _ws_cache: dict = {}
 # Buffers the cache has replaced by larger ones. A CUDA graph captured while one was cached still writes to it
@@ -145,6 +151,8 @@ def open_library(path: str | Path) -> ctypes.CDLL:
     lib.djv_greedy_tail_workspace_size.argtypes = [I, I]
     lib.djv_greedy_tail.restype = I
     lib.djv_greedy_tail.argtypes = [P] * 4 + [I] * 3 + [P, Z, P]
+    lib.djv_set_indices_ready.restype = I  # ABI 7
+    lib.djv_set_indices_ready.argtypes = [I]
     return lib
 
 
@@ -215,6 +223,15 @@ def set_mlp_grid_slack(sms: int) -> int:
     if prev < 0:
         raise ValueError(f"MLP grid slack {sms}: must be between 0 and half the device's SM count")
     return prev
+
+
+def set_indices_ready(ready: bool) -> bool:
+    """Promise that the index inputs of the MLP and attention calls enqueued from now on were written at least
+    two kernels before each call on its stream (or on a stream joined before the kernel just before it), so
+    their first kernels may read them, and their first weight rows, before waiting for the kernel before.
+    Process-wide and read when a call is enqueued: a captured CUDA graph keeps what it captured. Results are
+    bit-identical either way. Returns the previous setting."""
+    return bool(load_library().djv_set_indices_ready(1 if ready else 0))
 
 
 def predictor_workspace_size(B, d, r_m, Nb, r_h=0, H=0) -> int:

@@ -179,8 +179,22 @@ class Executor:
         finally:
             self.ops.set_mlp_grid_slack(prev)
 
+    @contextlib.contextmanager
+    def _indices_ready(self):
+        """The kernels' promise that each op's indices were written two kernels or more before it: the decode
+        step joins every predictor before the norm kernel that precedes the op that reads its indices, so
+        the ops' first kernels may read indices and first weight rows before their launch wait."""
+        if not hasattr(self.ops, "set_indices_ready"):
+            yield
+            return
+        prev = self.ops.set_indices_ready(True)
+        try:
+            yield
+        finally:
+            self.ops.set_indices_ready(prev)
+
     def _step_body(self) -> None:
-        with self._grid_slack(self.mlp_grid_slack):
+        with self._grid_slack(self.mlp_grid_slack), self._indices_ready():
             self._decode_into_buffers()
 
     def _decode_into_buffers(self) -> None:

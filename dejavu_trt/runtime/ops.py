@@ -234,6 +234,10 @@ class KernelOps(TorchOps):
         """The fused MLP's grid sized for `sms` fewer SMs (kernels.set_mlp_grid_slack); returns the previous."""
         return self.k.set_mlp_grid_slack(sms)
 
+    def set_indices_ready(self, ready: bool) -> bool:
+        """kernels.set_indices_ready; returns the previous setting."""
+        return self.k.set_indices_ready(ready)
+
     def norm(self, x, weight, bias, kind, eps):
         d = x.shape[-1]
         if x.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 16384 and x.is_contiguous() \

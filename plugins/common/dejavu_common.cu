@@ -29,4 +29,11 @@ DJV_API int djv_set_mlp_grid_slack(int sms) {
     return prev;
 }
 
+DJV_API int djv_set_indices_ready(int ready) {
+    if (ready != 0 && ready != 1) return DJV_E_SHAPE;
+    const int prev = djv::indices_ready();
+    djv::indices_ready() = ready;
+    return prev;
+}
+
 }  // extern "C"

@@ -31,9 +31,9 @@ extern "C" {
 #define DJV_API __attribute__((visibility("default")))
 #endif
 
-#define DJV_ABI_VERSION 6  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
+#define DJV_ABI_VERSION 7  /* 2: optional residual input of the MLP and attention calls; 3: djv_norm;
                               4: norm folding (djv_row_stats, djv_*_folded); 5: djv_set_mlp_grid_slack;
-                              6: djv_embed, djv_greedy_tail */
+                              6: djv_embed, djv_greedy_tail; 7: djv_set_indices_ready */
 
 enum djv_dtype { DJV_FLOAT16 = 0, DJV_BFLOAT16 = 1 };
 enum djv_activation { DJV_RELU = 0, DJV_GELU = 1, DJV_SILU_GLU = 2 };
@@ -60,6 +60,16 @@ DJV_API int djv_workspace_prepare(void* workspace, size_t workspace_bytes, cudaS
  * needs only shrinks with it. Default: DJV_MLP_SLACK from the environment, else 0. Returns the previous
  * value, or DJV_E_SHAPE when sms is outside [0, SM count / 2]. */
 DJV_API int djv_set_mlp_grid_slack(int sms);
+
+/* Promise (ready = 1) that the mlp_idx / head_idx inputs of the MLP and attention calls enqueued from now on
+ * were written at least two kernels before each call on its stream, or on another stream that was joined
+ * before the kernel just before the call. Then the batch <= 4 QKV projection and the fused sm_90 MLP read
+ * their indices and first weight rows before waiting for the kernel before them (programmatic dependent
+ * launch), which hides part of each kernel boundary. With ready = 0 (the default; DJV_INDICES_READY=1 in the
+ * environment starts it on) the indices may come from the kernel just before. Process-wide, read when a call
+ * is enqueued (a captured CUDA graph keeps what it captured); results are bit-identical either way. Returns
+ * the previous value, or DJV_E_SHAPE when ready is not 0 or 1. */
+DJV_API int djv_set_indices_ready(int ready);
 
 /* ---- DejaVuLookaheadPredictor -------------------------------------------------------------
  * h [B,d]; mlp_a [d,r_m]; mlp_b [r_m,Nb]; head_a [d,r_h]; head_b [r_h,H] -> mlp_idx [K], head_idx [Kh]

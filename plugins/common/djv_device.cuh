@@ -330,6 +330,15 @@ inline int& mlp_grid_slack() {
     static int slack = env_int("DJV_MLP_SLACK", 0, sm_count() / 2, 0);
     return slack;
 }
+// Whether the caller promises that the index inputs of the MLP and attention calls it enqueues were written
+// at least two kernels before each call on its stream (or on a stream joined before the kernel before it):
+// then their first kernels read indices and first weight rows before waiting for the kernel before
+// (djv_set_indices_ready). One value per library; DJV_INDICES_READY=1 in the environment starts it on.
+inline int& indices_ready() {
+    static int ready = env_int("DJV_INDICES_READY", 0, 1, 0);
+    return ready;
+}
+
 inline StreamK plan_streamk(long long items, int per_item, int min_q, int warps_per_sm = kSkWarpsPerSm) {
     StreamK k;
     k.per_item = per_item;

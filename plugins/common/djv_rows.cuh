@@ -27,17 +27,38 @@ inline bool use_rows(int B) { return B <= 4; }
 // (a choice that must depend on the item only).
 // Kernels built on this are launched with programmatic dependent launch (djv_bulk.cuh): it starts by
 // waiting for the kernel before, which writes x, then lets the next kernel launch.
+// early: the warp's first batch of weight loads goes out before the wait. Only for callers whose weights and
+// row indices were not written by the kernel just before (djv_bulk.cuh's rule; A/B knob, see the caller).
 template <typename T, int NB, int NMAT, int U = 8 / NMAT, typename RowsF, typename EpiF>
 __device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int d, float* __restrict__ part,
-                                             unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi) {
+                                             unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi,
+                                             bool early = false) {
     // U: independent 16-byte weight loads in flight per lane (8 by default)
     constexpr int SLOT = NMAT * NB;
     const int lane = threadIdx.x & 31;
-    pdl_wait_primary();
-    pdl_launch_dependents();
     const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     long long s = (long long)gw * sk.q;
     const long long s_end = s + sk.q < sk.total ? s + sk.q : sk.total;
+    uint4 wpre[NMAT][U];
+    bool pre = false;
+    if (early && s < s_end) {
+        const int item = (int)(s / sk.per_item);
+        const int k0 = (int)(s - (long long)item * sk.per_item);
+        const int k1 = (int)(k0 + (s_end - s) < sk.per_item ? k0 + (s_end - s) : sk.per_item);
+        const T* r[NMAT];
+        if (rows(item, r)) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int off = (k0 + u) * kRowChunk + lane * 8;
+                const bool ok = k0 + u < k1 && off < d;
+#pragma unroll
+                for (int m = 0; m < NMAT; ++m) wpre[m][u] = ok ? ld_stream(r[m] + off) : zero4();
+            }
+            pre = true;
+        }
+    }
+    pdl_wait_primary();
+    pdl_launch_dependents();
     while (s < s_end) {
         const int item = (int)(s / sk.per_item);
         const int k0 = (int)(s - (long long)item * sk.per_item);
@@ -53,8 +74,9 @@ __device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int
                 const int off = (ks + u) * kRowChunk + lane * 8;
                 const bool ok = ks + u < k1 && off < d;
 #pragma unroll
-                for (int m = 0; m < NMAT; ++m) wv[m][u] = ok ? ld_stream(r[m] + off) : zero4();
+                for (int m = 0; m < NMAT; ++m) wv[m][u] = pre ? wpre[m][u] : (ok ? ld_stream(r[m] + off) : zero4());
             }
+            pre = false;  // the early batch was the first item's first batch
             uint4 x0[NB == 1 ? U : 1];  // batch 1: x is loaded with the weights (see rows_down_kernel)
             if (NB == 1) {
 #pragma unroll
@@ -125,7 +147,7 @@ inline size_t rows_part_floats(const StreamK& k, int nrows, int nb, int nmat) {
 // Each warp writes its chunk's partial y (fp32) and rows_reduce_kernel sums the chunks in a fixed order.
 constexpr int kRowsDownU = 8;
 
-struct RowsDownPlan { int S, R, C; };
+struct RowsDownPlan { int S, R, C, early; };
 // Warps per SM the plan fills at batch 1: 24 (3 CTAs; the batch-1 kernel's 80 registers leave room), so
 // chunks are 8 rows, one batch of loads per warp, where 16 warps per SM gave OPT-13B's output projection
 // 10-row chunks and a second round trip for the last 2 rows (session 8: attention 31.4-31.7 against
@@ -142,6 +164,12 @@ inline RowsDownPlan plan_rows_down(int d, int M, int B) {
     long long r = ((long long)M * p.S + want - 1) / want;
     p.R = (int)(r < 8 ? 8 : r);
     p.C = cdiv(M, p.R);
+    // Each warp's first batch of weight rows is loaded before the wait, while the kernel before (the attention
+    // core, the MLP's up kernel) runs: the rows and indices never come from that kernel, since the op's first
+    // kernel has already waited for the indices. Measured on an H100 (benchmarks/RESULTS.md, session 23):
+    // 3.2% off the OPT-13B batch-1 step. DJV_DOWN_EARLY=0 turns it off, for A/B runs.
+    static const int early = env_int("DJV_DOWN_EARLY", 0, 1, 1);
+    p.early = early;
     return p;
 }
 
@@ -197,26 +225,35 @@ __global__ void __launch_bounds__(kSkThreads, NB == 1 ? 3 : 2) rows_down_kernel(
                                                                   const T* __restrict__ w, const T* __restrict__ bias,
                                                                   const T* residual, T* y, float* __restrict__ part,
                                                                   int B, int d, RowsDownPlan p, SplitParts sp) {
-    pdl_wait_primary();  // launched early (launch_down): act comes from the kernel before
-    pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
     const int lane = threadIdx.x & 31;
     const int gw = blockIdx.x * (kSkThreads / 32) + (threadIdx.x >> 5);
-    if (gw >= p.C * p.S) return;
+    const bool live = gw < p.C * p.S;
     const int chunk = gw / p.S, slice = gw % p.S;
     const int j0 = chunk * p.R, j1 = min(M, j0 + p.R);
     const int col = slice * kRowChunk + lane * 8;
     const bool colok = col < d;  // d % 8 == 0
-    float acc[NB][8] = {};
-    for (int j = j0; j < j1; j += kRowsDownU) {
-        // All loads of the batch first (weights and activations): an activation load issued after its
-        // weight arrived would put one L2 round trip per row on the critical path.
-        uint4 wv[kRowsDownU];
-        float a[kRowsDownU][NB];
+    uint4 wv[kRowsDownU];
+    auto load_rows = [&](int j) {
 #pragma unroll
         for (int u = 0; u < kRowsDownU; ++u) {
             const bool ok = j + u < j1;
             const int row = expand_row(idx, ok ? j + u : j0, bs);
             wv[u] = (ok && colok) ? ld_stream(w + (size_t)row * d + col) : zero4();
+        }
+    };
+    if (p.early && live) load_rows(j0);  // weights and indices: not the kernel before's output
+    pdl_wait_primary();  // launched early (launch_down): act comes from the kernel before
+    pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
+    if (!live) return;
+    float acc[NB][8] = {};
+    for (int j = j0; j < j1; j += kRowsDownU) {
+        // All loads of the batch first (weights and activations): an activation load issued after its
+        // weight arrived would put one L2 round trip per row on the critical path.
+        float a[kRowsDownU][NB];
+        if (!(p.early && j == j0)) load_rows(j);
+#pragma unroll
+        for (int u = 0; u < kRowsDownU; ++u) {
+            const bool ok = j + u < j1;
             if (!MERGE) {
 #pragma unroll
                 for (int b = 0; b < NB; ++b) a[u][b] = (ok && b < B) ? to_f(act[(size_t)b * Mpad + j + u]) : 0.f;

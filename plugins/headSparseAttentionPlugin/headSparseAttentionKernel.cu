@@ -127,15 +127,25 @@ inline int qkv_occupancy(int /*B*/) {
 }
 __host__ __device__ constexpr int qkv_rows_u(int occ) { return occ == 3 ? 6 : 8; }
 
+// Whether the batch <= 4 QKV kernel issues its first weight loads before its wait, while the kernel before
+// (the norm) runs. That reads head_idx early, so only where the caller promised the indices are ready
+// (djv_set_indices_ready). Measured on an H100 (benchmarks/RESULTS.md, session 23). DJV_QKV_EARLY=0|1
+// overrides it, for A/B runs.
+inline int qkv_early_loads() {
+    static const int env = env_int("DJV_QKV_EARLY", 0, 1, -1);
+    return env >= 0 ? env : indices_ready();
+}
+
 // Batch <= 4: the same rows, one warp per projection row at a time (512 contiguous bytes per load).
 template <typename T, int NB, int OCC>
 __global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
-    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk) {
+    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk, int early) {
     // Launched early (launch_pdl): streamk_rows waits for the kernel before (x), then lets the attention
-    // kernel launch and start its KV-cache reads.
+    // kernel launch and start its KV-cache reads. early: each warp's first weight loads go out before the
+    // wait (qkv_early_loads).
     const int lane = threadIdx.x & 31;
     const int qr = Kh * hd, kr = nslots * hd;
     auto which_of = [&](int item) { return item < qr ? 0 : (item < qr + kr ? 1 : 2); };
@@ -170,7 +180,7 @@ __global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
         for (int b = 0; b < NB; ++b)
             if (b < B) qkv[(size_t)b * R + item] = v[0][b] + bb;
     };
-    streamk_rows<T, NB, 1, qkv_rows_u(OCC)>(x, B, d, part, ctr, sk, rows, epi);
+    streamk_rows<T, NB, 1, qkv_rows_u(OCC)>(x, B, d, part, ctr, sk, rows, epi, early != 0);
 }
 
 // GM: query heads held in registers per work item (1 when every KV head serves one query head, else GMAX).
@@ -513,7 +523,7 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     launch_pdl(qkv_rows_kernel<T, NB, OCC>, dim3(streamk_ctas(p.proj)), dim3(kSkThreads), 0, st,                      \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
-        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj)
+        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj, qkv_early_loads())
 #define DJV_ROWS(NB) (qkv_occupancy(B) == 3 ? DJV_ROWS_OCC(NB, 3) : DJV_ROWS_OCC(NB, 2))
     if (!use_rows(B)) {
         if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);

@@ -45,7 +45,7 @@ struct Fold {
 };
 
 struct BulkPlan {
-    int vpt, threads, stages, ctas, per, rem, strided, l2_normal;
+    int vpt, threads, stages, ctas, per, rem, strided, l2_normal, early;
     size_t smem;
 };
 
@@ -100,6 +100,12 @@ inline BulkPlan plan_bulk(int B, int d, int M, int nseg) {
     // an L2-resident row make the kernel faster? benchmarks/probes/mlp_l2.py)
     static const int l2_normal = env_int("DJV_MLP_L2_NORMAL", 0, 1, 0);
     p.l2_normal = l2_normal;
+    // The row table and the first stage's copies before the wait, while the kernel before runs: that reads the
+    // indices early, so only where the caller promised they are ready (djv_set_indices_ready). Measured on an
+    // H100 (benchmarks/RESULTS.md, session 23). DJV_MLP_EARLY=k (stages, 0 = off) overrides it, for A/B runs.
+    static const int early_env = env_int("DJV_MLP_EARLY", 0, kBulkMaxStages, -1);
+    const int early = early_env >= 0 ? early_env : indices_ready();
+    p.early = early < p.stages ? early : p.stages;
     return p;
 }
 
@@ -124,8 +130,10 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
     const unsigned seg_bytes = (unsigned)d * sizeof(T);
     const uint64_t pol = l2_weight_policy(p.l2_normal != 0);
-    pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
-    pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
+    if (!p.early) {
+        pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
+        pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
+    }
 
     auto issue = [&](int j) {  // thread 0: neuron j's rows into stage j % stages
         const int s = j % p.stages;
@@ -146,7 +154,13 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     }
     __syncthreads();  // row table and barrier inits visible to every thread
     if (tid == 0)
-        for (int j = 0; j < n && j < p.stages; ++j) issue(j);
+        for (int j = 0; j < n && j < p.early; ++j) issue(j);
+    if (p.early) {  // the copies above read weights only; x and the partials wait here
+        pdl_wait_primary();
+        pdl_launch_dependents();
+    }
+    if (tid == 0)
+        for (int j = p.early; j < n && j < p.stages; ++j) issue(j);
 
     // x in registers, columns c(v) = (v * blockDim + tid) * 8; zeros past d and for batch rows >= B.
     uint4 xr[NB][VPT];

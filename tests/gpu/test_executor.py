@@ -272,3 +272,37 @@ def test_fold_norms_setting_is_checked(monkeypatch):
     monkeypatch.setenv("DEJAVU_FOLD_NORMS", "everything")
     with pytest.raises(DejaVuError, match="DEJAVU_FOLD_NORMS"):
         Executor(gw, ops="torch", max_context=32)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("folds", ["none", "mlp", "all"])
+def test_indices_ready_promise_keeps_results_bit_identical(family, batch, folds, monkeypatch):
+    """The executor promises the kernels that every op's indices were written two kernels or more before it
+    (kernels.set_indices_ready), so the QKV projection and the fused MLP read their indices and first weight
+    rows before their launch wait. If the step's order broke that promise, those early reads could see the
+    previous step's indices. Decoded in a CUDA graph with the side-stream predictor, with the promise and
+    without it (the kernels then wait first), the logits must be bit-identical, every step."""
+    from dejavu_trt import kernels
+    from dejavu_trt.runtime.executor import FOLDS, Executor
+    if not kernels.available():
+        pytest.skip("libdejavu_kernels is not built (python -m dejavu_trt.kernels.build)")
+    gw, _ = _weights(family, "cuda", torch.float16, kv_policy="active")
+    prompt = torch.randint(0, 512, (batch, 6), generator=torch.Generator().manual_seed(7))
+    fold = FOLDS[folds] if folds != "none" else ()
+    seen = []
+    real = Executor._indices_ready
+
+    def spy(self):
+        seen.append(self.ops.set_indices_ready(False))  # the library's default is off
+        return real(self)
+
+    monkeypatch.setattr(Executor, "_indices_ready", spy)
+    kw = dict(ops="kernels", batch=batch, max_context=32, fold_norms=fold, mlp_grid_slack=2)  # no timed choice
+    promised = _decode(Executor(gw, **kw), prompt, 8)
+    assert seen and not any(seen)
+    monkeypatch.setattr(Executor, "_indices_ready", lambda self: __import__("contextlib").nullcontext())
+    waiting = _decode(Executor(gw, **kw), prompt, 8)
+    assert torch.isfinite(promised).all()
+    assert torch.equal(promised, waiting)
+    assert kernels.set_indices_ready(False) is False  # the executor put the setting back

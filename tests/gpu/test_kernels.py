@@ -845,14 +845,18 @@ def test_cached_workspace_outlives_growth():
 
 
 # ------------------------------------------------------------------- programmatic dependent launch chain
+@pytest.mark.parametrize("ready", [False, True], ids=["indices-wait", "indices-ready"])
 @pytest.mark.parametrize("fold", [False, True], ids=["norm-kernel", "norm-folded"])
 @pytest.mark.parametrize("B,d,N", [(1, 1024, 4096), (2, 1032, 3000), (4, 520, 2000)])
-def test_layer_chain_matches_serialized(B, d, N, fold):
+def test_layer_chain_matches_serialized(B, d, N, fold, ready):
     """Several decoder layers' ops back to back on one stream - predictor, norm, attention (+ residual), norm,
     MLP (+ residual) - sharing each op's cached workspace. On sm_90 every kernel but the predictor's launches
     with programmatic dependent launch: it may be resident before the kernel before it ends, and waits for
     it (djv_bulk.cuh). Replayed in a CUDA graph, and eagerly, the result must be bit-identical to the same
-    ops run with a device synchronisation after every call (no overlap at all)."""
+    ops run with a device synchronisation after every call (no overlap at all). `ready`: the overlapped runs
+    promise that the indices are ready (kernels.set_indices_ready; here a norm always separates the
+    predictor from the op), so the QKV projection and the fused MLP read indices and weights before their
+    wait."""
     dtype, layers, H, Hkv, hd, T = torch.float16, 5, 8, 4, 64, 48
     kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active")
     ws = []
@@ -907,12 +911,16 @@ def test_layer_chain_matches_serialized(B, d, N, fold):
     want_caches = [(kc.clone(), vc.clone()) for _, _, kc, vc, _, _ in ws]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        reset_caches()
-        eager = run(sync=False).clone()  # eager, overlapped
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = run(sync=False)
+    prev = kernels.set_indices_ready(ready)
+    try:
+        with torch.cuda.stream(s):
+            reset_caches()
+            eager = run(sync=False).clone()  # eager, overlapped
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = run(sync=False)
+    finally:
+        kernels.set_indices_ready(prev)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     assert torch.isfinite(want).all()
