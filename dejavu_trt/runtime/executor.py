@@ -168,30 +168,29 @@ class Executor:
 
     # --- decode -------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _grid_slack(self, sms: int | None):
-        """The fused MLP's grid slack while this executor enqueues kernels (a graph keeps what it captured)."""
-        if sms is None:
+    def _kernel_setting(self, setter: str, value):
+        """The kernels' process-wide setting `setter` (an ops method returning the previous value) at `value`
+        while this executor enqueues kernels (a graph keeps what it captured); untouched when value is None
+        or the ops have no such setting (the torch and reference ops)."""
+        set_value = getattr(self.ops, setter, None)
+        if value is None or set_value is None:
             yield
             return
-        prev = self.ops.set_mlp_grid_slack(sms)
+        prev = set_value(value)
         try:
             yield
         finally:
-            self.ops.set_mlp_grid_slack(prev)
+            set_value(prev)
 
-    @contextlib.contextmanager
+    def _grid_slack(self, sms: int | None):
+        """The fused MLP's grid slack (the constructor refuses a pinned slack without the kernels)."""
+        return self._kernel_setting("set_mlp_grid_slack", sms)
+
     def _indices_ready(self):
         """The kernels' promise that each op's indices were written two kernels or more before it: the decode
         step joins every predictor before the norm kernel that precedes the op that reads its indices, so
         the ops' first kernels may read indices and first weight rows before their launch wait."""
-        if not hasattr(self.ops, "set_indices_ready"):
-            yield
-            return
-        prev = self.ops.set_indices_ready(True)
-        try:
-            yield
-        finally:
-            self.ops.set_indices_ready(prev)
+        return self._kernel_setting("set_indices_ready", True)
 
     def _step_body(self) -> None:
         with self._grid_slack(self.mlp_grid_slack), self._indices_ready():
