@@ -9,6 +9,13 @@ outputs. Copy bandwidth = a large device-to-device copy, (read + write) / time, 
 "same-size copy" column is an elementwise SM copy moving the call's bytes, timed the same way (what a plain
 streaming kernel reaches at that size).
 Dense = torch F.linear chain (cuBLAS) on the same device, same dtype, same rotation.
+
+--indices-ready 1 makes the kernels' indices-ready promise (djv_set_indices_ready), as the CUDA executor does in
+its decode step: true here, since every call's indices are written before the graph. The MLP's and the QKV
+projection's first kernels then read their indices and first weight rows before waiting for the call before,
+overlapping its tail. --mlp-grid-slack N sizes the fused MLP's grid for N fewer SMs (the executor's slack
+variants). Both default to the library's own defaults (off / 0, or DJV_INDICES_READY / DJV_MLP_SLACK), and the
+settings in force are printed and kept in the JSON.
 """
 from __future__ import annotations
 
@@ -277,6 +284,18 @@ def profile_kernels():
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
 
 
+def kernel_settings(indices_ready, mlp_grid_slack):
+    """Apply the requested process-wide kernel settings (None: keep the library's) and return those in force."""
+    prev_ready = kernels.set_indices_ready(bool(indices_ready))
+    if indices_ready is None:
+        kernels.set_indices_ready(prev_ready)
+    prev_slack = kernels.set_mlp_grid_slack(mlp_grid_slack if mlp_grid_slack is not None else 0)
+    if mlp_grid_slack is None:
+        kernels.set_mlp_grid_slack(prev_slack)
+    return dict(indices_ready=bool(prev_ready if indices_ready is None else indices_ready),
+                mlp_grid_slack=prev_slack if mlp_grid_slack is None else mlp_grid_slack)
+
+
 def print_row(r):
     if r["op"] == "predictor":
         print(f"{r['op']:9s} {r['shape']:17s} B={r['B']:2d} r_m={r['r_m']} r_h={r['r_h']} K={r['K']:6d} "
@@ -295,8 +314,14 @@ def main(argv=None):
     ap.add_argument("--only", default="mlp,attn,pred", help="comma list of mlp, attn, pred, profile")
     ap.add_argument("--focus", action="store_true",
                     help="the target points only (batch 1/16, 10-25%% and 100%% kept): fits a short device lease")
+    ap.add_argument("--indices-ready", type=int, choices=(0, 1), default=None,
+                    help="1: promise the indices are ready (as the executor does); 0: no promise. Default: the library's")
+    ap.add_argument("--mlp-grid-slack", type=int, default=None, metavar="SMS",
+                    help="size the fused MLP's grid for SMS fewer SMs. Default: the library's (DJV_MLP_SLACK, else 0)")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    settings = kernel_settings(a.indices_ready, a.mlp_grid_slack)
+    print(f"kernel settings: {json.dumps(settings)}", flush=True)
     only = a.only.split(",")
     cbw, rbw = copy_bw()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write, 2 GiB fp32 copy_): {cbw / 1e9:.0f} GB/s"
@@ -318,7 +343,7 @@ def main(argv=None):
             bench_attn(s, batches, 0.2, 2048, cbw, rows)
     if a.json:
         a.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=cbw / 1e9,
-                                          read_GBps=rbw / 1e9, rows=rows), indent=1))
+                                          read_GBps=rbw / 1e9, settings=settings, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,16 @@ for step in "$@"; do
         mlp) cmd=($PY "${MLP_FOCUS[@]}") ;;
         esac
         run "$step" "${kv[@]}" -- "${cmd[@]}" ;;
+    mlp-ready)  # the MLP kernels with and without the indices-ready promise, at grid slack 0 and 2
+        for r in $(seq "${REPEAT:-2}"); do for slack in 0 2; do for ready in 0 1; do
+            run "mlp-r${ready}s${slack}-$r" -- $PY "${MLP_FOCUS[@]}" --indices-ready $ready --mlp-grid-slack $slack \
+                --json "$LOGS/mlp-r${ready}s${slack}-$r.json"
+        done; done; done ;;
+    attn-ready)  # OPT-13B attention (batch 1/4/16) with and without the indices-ready promise
+        for r in $(seq "${REPEAT:-2}"); do for ready in 0 1; do
+            run "attn-r${ready}-$r" -- $PY benchmarks/bench_kernels.py --quick --only attn --indices-ready $ready \
+                --json "$LOGS/attn-r${ready}-$r.json"
+        done; done ;;
     e2e-core-applynorm)  # the same, the folded norm done by its own kernel (DJV_FOLD_IN_MLP=0), B=1/4/16
         run e2e-core-applynorm DJV_FOLD_IN_MLP=0 -- $PY "${E2E_CORE[@]}" 16 ;;
     e2e-prio)  # the whole end-to-end benchmark (ablations included) with the high-priority predictor stream
