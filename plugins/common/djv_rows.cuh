@@ -8,6 +8,7 @@
 // the FMAs fit easily on the CUDA cores, so these kernels use the 512-byte pattern; batch 5-16 keeps mma.
 #pragma once
 #include <math.h>
+#include <type_traits>
 #include "djv_bulk.cuh"
 #include "djv_device.cuh"
 #include "djv_stats.cuh"
@@ -28,7 +29,9 @@ inline bool use_rows(int B) { return B <= 4; }
 // Kernels built on this are launched with programmatic dependent launch (djv_bulk.cuh): it starts by
 // waiting for the kernel before, which writes x, then lets the next kernel launch.
 // early: the warp's first batch of weight loads goes out before the wait. Only for callers whose weights and
-// row indices were not written by the kernel just before (djv_bulk.cuh's rule; A/B knob, see the caller).
+// row indices were not written by the kernel just before (djv_bulk.cuh's rule). The callers decide: the QKV
+// projection under the indices-ready promise (DJV_QKV_EARLY overrides), the output projection always
+// (plan_rows_down; DJV_DOWN_EARLY=0 turns it off).
 template <typename T, int NB, int NMAT, int U = 8 / NMAT, typename RowsF, typename EpiF>
 __device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int d, float* __restrict__ part,
                                              unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi,
@@ -395,11 +398,16 @@ inline cudaError_t launch_down(const T* act, int Mpad, const int32_t* idx, int b
         return launch_pdl(kern, dim3(ctas), dim3(kSkThreads), 0, st, act, Mpad, idx, bs, M, w, bias, residual, y, part,
                           B, d, p, sp ? *sp : none);
     };
-    cudaError_t e;
-    if (sp) e = rows_nb(B) == 1 ? go(rows_down_kernel<T, 1, true>)
-                                : (rows_nb(B) == 2 ? go(rows_down_kernel<T, 2, true>) : go(rows_down_kernel<T, 4, true>));
-    else e = rows_nb(B) == 1 ? go(rows_down_kernel<T, 1>)
-                             : (rows_nb(B) == 2 ? go(rows_down_kernel<T, 2>) : go(rows_down_kernel<T, 4>));
+    // one instantiation per (batch slots, merge the attention splits on load)
+    auto go_nb = [&](auto merge) {
+        constexpr bool M_ = decltype(merge)::value;
+        switch (rows_nb(B)) {
+        case 1: return go(rows_down_kernel<T, 1, M_>);
+        case 2: return go(rows_down_kernel<T, 2, M_>);
+        default: return go(rows_down_kernel<T, 4, M_>);
+        }
+    };
+    cudaError_t e = sp ? go_nb(std::true_type{}) : go_nb(std::false_type{});
     if (e != cudaSuccess) return e;
     if (p.C > 1) return launch_rows_reduce<T>(part, bias, residual, y, B, d, p.C, st, y_stats);
     if (y_stats) return launch_row_stats<T>(y, y_stats, B, d, st);
