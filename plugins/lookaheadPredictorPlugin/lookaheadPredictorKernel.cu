@@ -14,9 +14,14 @@
 //     are counted (a shared candidate list). Then a compaction in index order (ballots), so indices come out ascending and ties at the
 //     threshold go to the lowest indices (the ONNX TopK rule). No host sync. topk_r8_kernel (8-bit radix
 //     select over shared memory) serves n > 32768 and DJV_TOPK_R8=1 A/B runs.
+// On sm_90 kernels 2 and 3 are launched with programmatic dependent launch (djv_bulk.cuh): u_kernel lets
+// scores_kernel launch once its CTAs have their partials, and scores_kernel fetches its rows of bm into L2
+// while it waits for u (bm is a weight: never written). Kernel 1 stays a plain launch, since its input h comes
+// from another stream. DJV_PRED_PDL=0 launches all three plainly, for A/B runs.
 #include <math.h>
 #include <stdlib.h>
 #include "dejavu_kernels.h"
+#include "djv_bulk.cuh"
 #include "djv_device.cuh"
 
 namespace {
@@ -101,6 +106,9 @@ __global__ void __launch_bounds__(kThreads) u_kernel(const T* __restrict__ h, Pa
             for (int o = LPR; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
             if (lane < LPR) red[wid][b][lane * VEC + v] = x;
         }
+    // scores_kernel may launch now (it waits for u before reading it): this grid was not launched early, so
+    // the kernel before it on the stream has completed (djv_bulk.cuh's chain rule holds)
+    pdl_launch_dependents();
     // this split's sum of squares of h
     for (int b = wid; b < B; b += kThreads / 32) {
         float sq = 0.f;
@@ -153,16 +161,21 @@ __global__ void __launch_bounds__(kThreads) scores_kernel(const float* __restric
     extern __shared__ float us[];  // [NB][r]
     __shared__ float red[kThreads / 32][CW];
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int slot = tid / 16, lc = tid % 16;
+    const int col = blockIdx.x * CW + lc * VEC;
+    const bool cok = col < P.n;
+    const T* Bm = static_cast<const T*>(P.bm);
+    // launched early (launch_pred): bring this thread's rows of bm into L2 while u_kernel finishes; one
+    // thread per 128-byte line where a thread reads 16 bytes
+    if (cok && (VEC < 8 || lc % 8 == 0))
+        for (int i = slot; i < P.r; i += RS) prefetch_l2(Bm + (size_t)i * P.n + col);
+    pdl_wait_primary();
     const float* ub = u + (size_t)blockIdx.z * kMaxB * rmax;
     for (int i = tid; i < NB * P.r; i += kThreads) {
         const int b = i / P.r, k = i % P.r;
         us[i] = b < B ? __ldcg(ub + (size_t)b * rmax + k) : 0.f;
     }
     __syncthreads();
-    const int slot = tid / 16, lc = tid % 16;
-    const int col = blockIdx.x * CW + lc * VEC;
-    const bool cok = col < P.n;
-    const T* Bm = static_cast<const T*>(P.bm);
     float acc[NB][VEC];
 #pragma unroll
     for (int b = 0; b < NB; ++b)
@@ -221,6 +234,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_r8_kernel(float* __restrict
                                                                 int keys_in_smem) {
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
+    pdl_wait_primary();  // launched early (launch_pred): the scores come from the kernel before
     extern __shared__ uint32_t ks_smem[];
     __shared__ unsigned hist[256];
     __shared__ unsigned s_sel[3];
@@ -355,6 +369,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
     static_assert(kHistBins == kTopkThreads, "the suffix scan gives each thread one bin");
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
+    pdl_wait_primary();  // launched early (launch_pred): the scores come from the kernel before
     __shared__ unsigned s_cnt[64];
     __shared__ uint32_t s_cand[kCandPerThread * kTopkThreads];
     __shared__ unsigned s_ncand, wgt[32], weq[32];
@@ -544,6 +559,12 @@ inline bool topk_r8() {
     return on;
 }
 
+// Kernels 2 and 3 launched with programmatic dependent launch (the header comment); DJV_PRED_PDL=0: plainly.
+inline bool pred_pdl() {
+    static const bool on = env_int("DJV_PRED_PDL", 0, 1, 1) != 0;
+    return on;
+}
+
 // topk_kernel's histogram pass before the bisection; DJV_TOPK_HIST=0 turns it off (A/B measurements).
 inline bool topk_hist() {
     static const bool on = !(getenv("DJV_TOPK_HIST") != nullptr && getenv("DJV_TOPK_HIST")[0] == '0');
@@ -599,34 +620,35 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
     if ((e = cudaFuncSetAttribute(scores_kernel<T, NB, VB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)usm)) !=
         cudaSuccess)
         return (int)e;
-    scores_kernel<T, NB, VB><<<dim3(cdiv(p.nmax, 16 * VB), 1, 2), kThreads, usm, st>>>(u, p0, p1, B, p.rmax, sc, p.nmax,
-                                                                                       scores_out);
-    if ((e = cudaGetLastError()) != cudaSuccess) return (int)e;
+    const bool pdl = pred_pdl();
+    if ((e = launch_pdl_if(pdl, scores_kernel<T, NB, VB>, dim3(cdiv(p.nmax, 16 * VB), 1, 2), dim3(kThreads), usm, st,
+                           (const float*)u, p0, p1, B, p.rmax, sc, p.nmax, scores_out)) != cudaSuccess)
+        return (int)e;
+    const auto topk = [&](auto kern, size_t smem, auto... extra) {
+        return (int)launch_pdl_if(pdl, kern, dim3(2), dim3(kTopkThreads), smem, st, sc, p0, p1, p.nmax, extra...);
+    };
     const int kpt = topk_kpt(p.nmax);
     if (kpt == 0 || topk_r8()) {  // v1: n > 32768, or an A/B run
         const size_t ksm = p.keys_smem ? (size_t)p.nmax * 4 : 0;
         if ((e = cudaFuncSetAttribute(topk_r8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ksm)) !=
             cudaSuccess)
             return (int)e;
-        topk_r8_kernel<<<2, kTopkThreads, ksm, st>>>(sc, p0, p1, p.nmax, p.keys_smem ? 1 : 0);
-        return (int)cudaGetLastError();
+        return topk(topk_r8_kernel, ksm, p.keys_smem ? 1 : 0);
     }
     if (topk_hist()) {
         switch (kpt) {
-        case 4: topk_kernel<4, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-        case 12: topk_kernel<12, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-        case 24: topk_kernel<24, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-        default: topk_kernel<kTopkMaxKpt, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        case 4: return topk(topk_kernel<4, true>, 0);
+        case 12: return topk(topk_kernel<12, true>, 0);
+        case 24: return topk(topk_kernel<24, true>, 0);
+        default: return topk(topk_kernel<kTopkMaxKpt, true>, 0);
         }
-        return (int)cudaGetLastError();
     }
     switch (kpt) {
-    case 4: topk_kernel<4, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    case 12: topk_kernel<12, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    case 24: topk_kernel<24, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
-    default: topk_kernel<kTopkMaxKpt, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 4: return topk(topk_kernel<4, false>, 0);
+    case 12: return topk(topk_kernel<12, false>, 0);
+    case 24: return topk(topk_kernel<24, false>, 0);
+    default: return topk(topk_kernel<kTopkMaxKpt, false>, 0);
     }
-    return (int)cudaGetLastError();
 }
 
 template <typename T, int NB>
