@@ -14,10 +14,12 @@
 //     are counted (a shared candidate list). Then a compaction in index order (ballots), so indices come out ascending and ties at the
 //     threshold go to the lowest indices (the ONNX TopK rule). No host sync. topk_r8_kernel (8-bit radix
 //     select over shared memory) serves n > 32768 and DJV_TOPK_R8=1 A/B runs.
-// On sm_90 kernels 2 and 3 are launched with programmatic dependent launch (djv_bulk.cuh): u_kernel lets
-// scores_kernel launch once its CTAs have their partials, and scores_kernel fetches its rows of bm into L2
-// while it waits for u (bm is a weight: never written). Kernel 1 stays a plain launch, since its input h comes
-// from another stream. DJV_PRED_PDL=0 launches all three plainly, for A/B runs.
+// DJV_PRED_PDL=1|2 (sm_90, A/B runs; default 0, plain launches): kernels 2 and 3 are launched with programmatic
+// dependent launch (djv_bulk.cuh), and scores_kernel fetches its rows of bm into L2 before it waits for u (bm
+// is a weight: never written); 2 also lets u_kernel trigger kernel 2's launch before its last-arrival sums.
+// Kernel 1 stays a plain launch, since its input h comes from another stream. Not the default: mode 2 measured
+// 4% slower end to end on an H100 (benchmarks/RESULTS.md, session 26); the early-resident CTAs take SM room
+// that the grid-slack variants of the fused MLP leave for the predictor.
 #include <math.h>
 #include <stdlib.h>
 #include "dejavu_kernels.h"
@@ -57,7 +59,7 @@ template <typename T, int NB, int VEC>
 __global__ void __launch_bounds__(kThreads) u_kernel(const T* __restrict__ h, Part p0, Part p1, int B, int d, int KS,
                                                      int ncg, float* __restrict__ part, float* __restrict__ ssq_part,
                                                      float* __restrict__ u, unsigned* __restrict__ ctr, float eps,
-                                                     int rmax) {
+                                                     int rmax, int early_trigger) {
     constexpr int LPR = kCG / VEC, RPW = 32 / LPR, RPP = RPW * (kThreads / 32);
     const Part P = blockIdx.z == 0 ? p0 : p1;
     const int cg = blockIdx.x;
@@ -108,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) u_kernel(const T* __restrict__ h, Pa
         }
     // scores_kernel may launch now (it waits for u before reading it): this grid was not launched early, so
     // the kernel before it on the stream has completed (djv_bulk.cuh's chain rule holds)
-    pdl_launch_dependents();
+    if (early_trigger) pdl_launch_dependents();
     // this split's sum of squares of h
     for (int b = wid; b < B; b += kThreads / 32) {
         float sq = 0.f;
@@ -559,10 +561,11 @@ inline bool topk_r8() {
     return on;
 }
 
-// Kernels 2 and 3 launched with programmatic dependent launch (the header comment); DJV_PRED_PDL=0: plainly.
-inline bool pred_pdl() {
-    static const bool on = env_int("DJV_PRED_PDL", 0, 1, 1) != 0;
-    return on;
+// DJV_PRED_PDL (the header comment): 0 plain launches (default), 1 kernels 2 and 3 with programmatic dependent
+// launch, 2 the same with u_kernel letting kernel 2 launch before its last-arrival sums.
+inline int pred_pdl() {
+    static const int mode = env_int("DJV_PRED_PDL", 0, 2, 0);
+    return mode;
 }
 
 // topk_kernel's histogram pass before the bisection; DJV_TOPK_HIST=0 turns it off (A/B measurements).
@@ -613,14 +616,14 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
     float* u = reinterpret_cast<float*>(base + p.off_u);
     float* sc = reinterpret_cast<float*>(base + p.off_scores);
     u_kernel<T, NB, VA><<<dim3(p.ncg, p.KS, 2), kThreads, 0, st>>>(static_cast<const T*>(h), p0, p1, B, d, p.KS, p.ncg,
-                                                                     part, ssq, u, ctr, eps, p.rmax);
+                                                                     part, ssq, u, ctr, eps, p.rmax, pred_pdl() == 2);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     const size_t usm = (size_t)NB * p.rmax * 4;
     if ((e = cudaFuncSetAttribute(scores_kernel<T, NB, VB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)usm)) !=
         cudaSuccess)
         return (int)e;
-    const bool pdl = pred_pdl();
+    const bool pdl = pred_pdl() != 0;
     if ((e = launch_pdl_if(pdl, scores_kernel<T, NB, VB>, dim3(cdiv(p.nmax, 16 * VB), 1, 2), dim3(kThreads), usm, st,
                            (const float*)u, p0, p1, B, p.rmax, sc, p.nmax, scores_out)) != cudaSuccess)
         return (int)e;
