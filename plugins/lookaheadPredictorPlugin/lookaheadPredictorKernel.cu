@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) u_kernel(const T* __restrict__ h, Pa
 template <typename T, int NB, int VEC>
 __global__ void __launch_bounds__(kThreads) scores_kernel(const float* __restrict__ u, Part p0, Part p1, int B,
                                                           int rmax, float* __restrict__ scores, int nmax,
-                                                          float* __restrict__ scores_out) {
+                                                          float* __restrict__ scores_out, int early) {
     constexpr int CW = 16 * VEC, RS = kThreads / 16;
     const Part P = blockIdx.z == 0 ? p0 : p1;
     if (P.a == nullptr || (int)blockIdx.x * CW >= P.n) return;
@@ -167,9 +167,9 @@ __global__ void __launch_bounds__(kThreads) scores_kernel(const float* __restric
     const int col = blockIdx.x * CW + lc * VEC;
     const bool cok = col < P.n;
     const T* Bm = static_cast<const T*>(P.bm);
-    // launched early (launch_pred): bring this thread's rows of bm into L2 while u_kernel finishes; one
+    // launched early (DJV_PRED_PDL): bring this thread's rows of bm into L2 while u_kernel finishes; one
     // thread per 128-byte line where a thread reads 16 bytes
-    if (cok && (VEC < 8 || lc % 8 == 0))
+    if (early && cok && (VEC < 8 || lc % 8 == 0))
         for (int i = slot; i < P.r; i += RS) prefetch_l2(Bm + (size_t)i * P.n + col);
     pdl_wait_primary();
     const float* ub = u + (size_t)blockIdx.z * kMaxB * rmax;
@@ -625,7 +625,7 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
         return (int)e;
     const bool pdl = pred_pdl() != 0;
     if ((e = launch_pdl_if(pdl, scores_kernel<T, NB, VB>, dim3(cdiv(p.nmax, 16 * VB), 1, 2), dim3(kThreads), usm, st,
-                           (const float*)u, p0, p1, B, p.rmax, sc, p.nmax, scores_out)) != cudaSuccess)
+                           (const float*)u, p0, p1, B, p.rmax, sc, p.nmax, scores_out, pdl ? 1 : 0)) != cudaSuccess)
         return (int)e;
     const auto topk = [&](auto kern, size_t smem, auto... extra) {
         return (int)launch_pdl_if(pdl, kern, dim3(2), dim3(kTopkThreads), smem, st, sc, p0, p1, p.nmax, extra...);
