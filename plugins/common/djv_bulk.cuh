@@ -118,15 +118,9 @@ inline bool pdl_enabled() {
     return !env_off && is_sm90_or_newer();
 }
 
-// Fetch the 128-byte line holding p into L2, without waiting for it (reads that may go before pdl_wait_primary).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
-
-// launch_pdl where `pdl` is set, else a plain launch (for a chain that has its own A/B switch).
 template <typename... KArgs, typename... Args>
-inline cudaError_t launch_pdl_if(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                                 cudaStream_t st, Args&&... args) {
+inline cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                              Args&&... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
@@ -136,14 +130,8 @@ inline cudaError_t launch_pdl_if(bool pdl, void (*kernel)(KArgs...), dim3 grid, 
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = pdl && pdl_enabled() ? 1 : 0;
+    cfg.numAttrs = pdl_enabled() ? 1 : 0;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-
-template <typename... KArgs, typename... Args>
-inline cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
-                              Args&&... args) {
-    return launch_pdl_if(true, kernel, grid, block, smem, st, std::forward<Args>(args)...);
 }
 
 }  // namespace djv

@@ -14,16 +14,9 @@
 //     are counted (a shared candidate list). Then a compaction in index order (ballots), so indices come out ascending and ties at the
 //     threshold go to the lowest indices (the ONNX TopK rule). No host sync. topk_r8_kernel (8-bit radix
 //     select over shared memory) serves n > 32768 and DJV_TOPK_R8=1 A/B runs.
-// DJV_PRED_PDL=1|2 (sm_90, A/B runs; default 0, plain launches): kernels 2 and 3 are launched with programmatic
-// dependent launch (djv_bulk.cuh), and scores_kernel fetches its rows of bm into L2 before it waits for u (bm
-// is a weight: never written); 2 also lets u_kernel trigger kernel 2's launch before its last-arrival sums.
-// Kernel 1 stays a plain launch, since its input h comes from another stream. Not the default: mode 2 measured
-// 4% slower end to end on an H100 (benchmarks/RESULTS.md, session 26); the early-resident CTAs take SM room
-// that the grid-slack variants of the fused MLP leave for the predictor.
 #include <math.h>
 #include <stdlib.h>
 #include "dejavu_kernels.h"
-#include "djv_bulk.cuh"
 #include "djv_device.cuh"
 
 namespace {
@@ -59,7 +52,7 @@ template <typename T, int NB, int VEC>
 __global__ void __launch_bounds__(kThreads) u_kernel(const T* __restrict__ h, Part p0, Part p1, int B, int d, int KS,
                                                      int ncg, float* __restrict__ part, float* __restrict__ ssq_part,
                                                      float* __restrict__ u, unsigned* __restrict__ ctr, float eps,
-                                                     int rmax, int early_trigger) {
+                                                     int rmax) {
     constexpr int LPR = kCG / VEC, RPW = 32 / LPR, RPP = RPW * (kThreads / 32);
     const Part P = blockIdx.z == 0 ? p0 : p1;
     const int cg = blockIdx.x;
@@ -108,9 +101,6 @@ __global__ void __launch_bounds__(kThreads) u_kernel(const T* __restrict__ h, Pa
             for (int o = LPR; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
             if (lane < LPR) red[wid][b][lane * VEC + v] = x;
         }
-    // scores_kernel may launch now (it waits for u before reading it): this grid was not launched early, so
-    // the kernel before it on the stream has completed (djv_bulk.cuh's chain rule holds)
-    if (early_trigger) pdl_launch_dependents();
     // this split's sum of squares of h
     for (int b = wid; b < B; b += kThreads / 32) {
         float sq = 0.f;
@@ -156,28 +146,23 @@ __global__ void __launch_bounds__(kThreads) u_kernel(const T* __restrict__ h, Pa
 template <typename T, int NB, int VEC>
 __global__ void __launch_bounds__(kThreads) scores_kernel(const float* __restrict__ u, Part p0, Part p1, int B,
                                                           int rmax, float* __restrict__ scores, int nmax,
-                                                          float* __restrict__ scores_out, int early) {
+                                                          float* __restrict__ scores_out) {
     constexpr int CW = 16 * VEC, RS = kThreads / 16;
     const Part P = blockIdx.z == 0 ? p0 : p1;
     if (P.a == nullptr || (int)blockIdx.x * CW >= P.n) return;
     extern __shared__ float us[];  // [NB][r]
     __shared__ float red[kThreads / 32][CW];
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    const int slot = tid / 16, lc = tid % 16;
-    const int col = blockIdx.x * CW + lc * VEC;
-    const bool cok = col < P.n;
-    const T* Bm = static_cast<const T*>(P.bm);
-    // launched early (DJV_PRED_PDL): bring this thread's rows of bm into L2 while u_kernel finishes; one
-    // thread per 128-byte line where a thread reads 16 bytes
-    if (early && cok && (VEC < 8 || lc % 8 == 0))
-        for (int i = slot; i < P.r; i += RS) prefetch_l2(Bm + (size_t)i * P.n + col);
-    pdl_wait_primary();
     const float* ub = u + (size_t)blockIdx.z * kMaxB * rmax;
     for (int i = tid; i < NB * P.r; i += kThreads) {
         const int b = i / P.r, k = i % P.r;
         us[i] = b < B ? __ldcg(ub + (size_t)b * rmax + k) : 0.f;
     }
     __syncthreads();
+    const int slot = tid / 16, lc = tid % 16;
+    const int col = blockIdx.x * CW + lc * VEC;
+    const bool cok = col < P.n;
+    const T* Bm = static_cast<const T*>(P.bm);
     float acc[NB][VEC];
 #pragma unroll
     for (int b = 0; b < NB; ++b)
@@ -236,7 +221,6 @@ __global__ void __launch_bounds__(kTopkThreads) topk_r8_kernel(float* __restrict
                                                                 int keys_in_smem) {
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
-    pdl_wait_primary();  // launched early (launch_pred): the scores come from the kernel before
     extern __shared__ uint32_t ks_smem[];
     __shared__ unsigned hist[256];
     __shared__ unsigned s_sel[3];
@@ -371,7 +355,6 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const float* __restr
     static_assert(kHistBins == kTopkThreads, "the suffix scan gives each thread one bin");
     const Part P = blockIdx.x == 0 ? p0 : p1;
     if (P.a == nullptr) return;
-    pdl_wait_primary();  // launched early (launch_pred): the scores come from the kernel before
     __shared__ unsigned s_cnt[64];
     __shared__ uint32_t s_cand[kCandPerThread * kTopkThreads];
     __shared__ unsigned s_ncand, wgt[32], weq[32];
@@ -561,13 +544,6 @@ inline bool topk_r8() {
     return on;
 }
 
-// DJV_PRED_PDL (the header comment): 0 plain launches (default), 1 kernels 2 and 3 with programmatic dependent
-// launch, 2 the same with u_kernel letting kernel 2 launch before its last-arrival sums.
-inline int pred_pdl() {
-    static const int mode = env_int("DJV_PRED_PDL", 0, 2, 0);
-    return mode;
-}
-
 // topk_kernel's histogram pass before the bisection; DJV_TOPK_HIST=0 turns it off (A/B measurements).
 inline bool topk_hist() {
     static const bool on = !(getenv("DJV_TOPK_HIST") != nullptr && getenv("DJV_TOPK_HIST")[0] == '0');
@@ -616,42 +592,41 @@ int launch_pred(const void* h, Part p0, Part p1, float* scores_out, int B, int d
     float* u = reinterpret_cast<float*>(base + p.off_u);
     float* sc = reinterpret_cast<float*>(base + p.off_scores);
     u_kernel<T, NB, VA><<<dim3(p.ncg, p.KS, 2), kThreads, 0, st>>>(static_cast<const T*>(h), p0, p1, B, d, p.KS, p.ncg,
-                                                                     part, ssq, u, ctr, eps, p.rmax, pred_pdl() == 2);
+                                                                     part, ssq, u, ctr, eps, p.rmax);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     const size_t usm = (size_t)NB * p.rmax * 4;
     if ((e = cudaFuncSetAttribute(scores_kernel<T, NB, VB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)usm)) !=
         cudaSuccess)
         return (int)e;
-    const bool pdl = pred_pdl() != 0;
-    if ((e = launch_pdl_if(pdl, scores_kernel<T, NB, VB>, dim3(cdiv(p.nmax, 16 * VB), 1, 2), dim3(kThreads), usm, st,
-                           (const float*)u, p0, p1, B, p.rmax, sc, p.nmax, scores_out, pdl ? 1 : 0)) != cudaSuccess)
-        return (int)e;
-    const auto topk = [&](auto kern, size_t smem, auto... extra) {
-        return (int)launch_pdl_if(pdl, kern, dim3(2), dim3(kTopkThreads), smem, st, sc, p0, p1, p.nmax, extra...);
-    };
+    scores_kernel<T, NB, VB><<<dim3(cdiv(p.nmax, 16 * VB), 1, 2), kThreads, usm, st>>>(u, p0, p1, B, p.rmax, sc, p.nmax,
+                                                                                       scores_out);
+    if ((e = cudaGetLastError()) != cudaSuccess) return (int)e;
     const int kpt = topk_kpt(p.nmax);
     if (kpt == 0 || topk_r8()) {  // v1: n > 32768, or an A/B run
         const size_t ksm = p.keys_smem ? (size_t)p.nmax * 4 : 0;
         if ((e = cudaFuncSetAttribute(topk_r8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ksm)) !=
             cudaSuccess)
             return (int)e;
-        return topk(topk_r8_kernel, ksm, p.keys_smem ? 1 : 0);
+        topk_r8_kernel<<<2, kTopkThreads, ksm, st>>>(sc, p0, p1, p.nmax, p.keys_smem ? 1 : 0);
+        return (int)cudaGetLastError();
     }
     if (topk_hist()) {
         switch (kpt) {
-        case 4: return topk(topk_kernel<4, true>, 0);
-        case 12: return topk(topk_kernel<12, true>, 0);
-        case 24: return topk(topk_kernel<24, true>, 0);
-        default: return topk(topk_kernel<kTopkMaxKpt, true>, 0);
+        case 4: topk_kernel<4, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        case 12: topk_kernel<12, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        case 24: topk_kernel<24, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+        default: topk_kernel<kTopkMaxKpt, true><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
         }
+        return (int)cudaGetLastError();
     }
     switch (kpt) {
-    case 4: return topk(topk_kernel<4, false>, 0);
-    case 12: return topk(topk_kernel<12, false>, 0);
-    case 24: return topk(topk_kernel<24, false>, 0);
-    default: return topk(topk_kernel<kTopkMaxKpt, false>, 0);
+    case 4: topk_kernel<4, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 12: topk_kernel<12, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    case 24: topk_kernel<24, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
+    default: topk_kernel<kTopkMaxKpt, false><<<2, kTopkThreads, 0, st>>>(sc, p0, p1, p.nmax); break;
     }
+    return (int)cudaGetLastError();
 }
 
 template <typename T, int NB>
