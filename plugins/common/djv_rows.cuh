@@ -12,6 +12,7 @@
 #include "djv_bulk.cuh"
 #include "djv_device.cuh"
 #include "djv_stats.cuh"
+#include "djv_trace.cuh"
 
 namespace djv {
 
@@ -319,7 +320,10 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
                                                           const T* residual, T* y, float2* __restrict__ y_stats, int B,
                                                           int d, int C) {
     __shared__ float4 red[kReduceLanes][16];
+    DJV_TRACE_DECL;  // a -DDJV_TRACE build only (djv_trace.cuh): 0 start, 1 wait returned, 4 partials read, 5 end
+    DJV_TRACE_START(1);
     pdl_wait_primary();  // launched early (launch_rows_reduce): the partials come from the kernel before
+    DJV_TRACE_MARK(1);
     pdl_launch_dependents();
     const int cl = threadIdx.x & 15, kl = threadIdx.x >> 4;
     const int b = blockIdx.y, c4 = blockIdx.x * 16 + cl;  // float4 column
@@ -332,6 +336,7 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
             s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
         }
     }
+    DJV_TRACE_MARK(4);
     red[kl][cl] = s;
     __syncthreads();
     if (STATS ? threadIdx.x >= 32 : (kl != 0 || !ok)) return;  // lanes 0-15 own one float4 column each
@@ -358,6 +363,7 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
     if (STATS)  // 16 float4 columns = one 64-column statistics block
         store_block_stats<4>(v, mine ? 4 : 0, min(kStatCols, d - (int)blockIdx.x * kStatCols),
                              y_stats + (size_t)b * stats_blocks(d) + blockIdx.x);
+    DJV_TRACE_END(1, C);
 }
 
 template <typename T>

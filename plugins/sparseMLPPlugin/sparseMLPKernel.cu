@@ -13,6 +13,7 @@
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"
+#include "djv_trace.cuh"
 
 namespace {
 using namespace djv;
@@ -130,8 +131,11 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
     const int n = p.per + ((int)blockIdx.x < p.rem ? 1 : 0);
     const unsigned seg_bytes = (unsigned)d * sizeof(T);
     const uint64_t pol = l2_weight_policy(p.l2_normal != 0);
+    DJV_TRACE_DECL;  // stamps (djv_trace.cuh; a -DDJV_TRACE build only): 0 start, 1 wait returned,
+    DJV_TRACE_START(0);  // 2 row table ready, 3 first rows landed, 4 last neuron done, 5 partials stored
     if (!p.early) {
         pdl_wait_primary();  // launched early (launch_pdl): x comes from the kernel before
+        DJV_TRACE_MARK(1);
         pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
     }
 
@@ -153,10 +157,12 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         fence_barrier_init();
     }
     __syncthreads();  // row table and barrier inits visible to every thread
+    DJV_TRACE_MARK(2);
     if (tid == 0)
         for (int j = 0; j < n && j < p.early; ++j) issue(j);
     if (p.early) {  // the copies above read weights only; x and the partials wait here
         pdl_wait_primary();
+        DJV_TRACE_MARK(1);
         pdl_launch_dependents();
     }
     if (tid == 0)
@@ -209,6 +215,9 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         const int s = j % p.stages;
         const float bias = (NMAT == 1 && b_up) ? to_f(b_up[rowtab[j]]) : 0.f;
         mbar_wait(&bars[s], (unsigned)(j / p.stages) & 1u);
+#ifdef DJV_TRACE
+        if (j == 0) DJV_TRACE_MARK(3);
+#endif
         const T* st = ring + (size_t)s * NSEG * d;
         float dot[NMAT][NB] = {};
 #pragma unroll
@@ -272,6 +281,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
                 for (int e = 0; e < 8; ++e) acc[b][v][e] = fmaf(a[b], wf[e], acc[b][v][e]);
         }
     }
+    DJV_TRACE_MARK(4);
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
         const int c = (v * blockDim.x + tid) * 8;
@@ -284,6 +294,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
             dst[1] = make_float4(acc[b][v][4], acc[b][v][5], acc[b][v][6], acc[b][v][7]);
         }
     }
+    DJV_TRACE_END(0, n);
 #endif
 }
 
@@ -573,5 +584,30 @@ DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate
                                  activation, nullptr, DJV_LAYERNORM, 0.f, nullptr, dtype, workspace, workspace_bytes,
                                  stream);
 }
+
+#ifdef DJV_TRACE
+// The timeline probe's accessors (djv_trace.cuh), in a -DDJV_TRACE build only; not part of the C ABI.
+// djv_trace_layout: {kinds, CTAs, launches kept per CTA, stamps, record bytes}.
+DJV_API void djv_trace_layout(int* out) {
+    out[0] = djv::kTraceKinds;
+    out[1] = djv::kTraceCtas;
+    out[2] = djv::kTraceCalls;
+    out[3] = djv::kTraceEvents;
+    out[4] = (int)sizeof(djv::TraceRec);
+}
+DJV_API int djv_trace_reset(void) {  // every record and launch counter to 0 (synchronous)
+    void* p = nullptr;
+    cudaError_t e = cudaGetSymbolAddress(&p, djv::g_trace);
+    if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(djv::g_trace));
+    if (e == cudaSuccess) e = cudaGetSymbolAddress(&p, djv::g_trace_launches);
+    if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(djv::g_trace_launches));
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    return (int)e;
+}
+DJV_API int djv_trace_read(void* dst, size_t bytes) {  // the records, [kinds][CTAs][launches] (synchronous)
+    if (bytes < sizeof(djv::g_trace)) return DJV_E_WORKSPACE;
+    return (int)cudaMemcpyFromSymbol(dst, djv::g_trace, sizeof(djv::g_trace));
+}
+#endif
 
 }  // extern "C"

@@ -1,0 +1,219 @@
+"""Where a fused-MLP call's fixed cost goes: a timeline from inside the kernels.
+
+Batch 1's fused MLP (sm_90 `mlp_bulk_kernel` + `rows_reduce_kernel`) takes about bytes / bandwidth plus a
+fixed cost of several microseconds per call. This probe loads a build of the library with the timeline stamps compiled in
+(plugins/common/djv_trace.cuh; `cmake -S plugins -B plugins/build-trace -DDJV_TRACE=ON`), replays a CUDA graph of
+back-to-back calls (rotating over weight copies, as bench_kernels.py times them), and reads every CTA's stamps:
+start, launch wait returned, row table ready, first rows landed, last neuron done, partials stored; for the
+reduction start, wait returned, partials read, end. Each call is measured from the end of the call before
+(its reduction's last CTA), medians over the middle calls of the graph.
+
+    python benchmarks/probes/mlp_trace.py [--lib plugins/build-trace/libdejavu_kernels.so] [--json out.json]
+
+The stamps cost a few shared-memory stores and one record per CTA, so the traced call is timed too and
+printed next to the fixed cost; compare it with bench_kernels.py's untraced time from the same run.
+Prints the copy bandwidth measured in the same process first. Needs a CUDA device of compute capability 9.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_LIB = ROOT / "plugins" / "build-trace" / "libdejavu_kernels.so"
+SHAPES = {  # name: d, ffn, activation
+    "OPT-13B": (5120, 20480, "relu"),
+    "LLaMA-2-7B": (4096, 11008, "silu_glu"),
+    "LLaMA-3-70B-like": (8192, 28672, "silu_glu"),
+}
+BULK, REDUCE = 0, 1
+
+
+def record_dtype(events: int) -> np.dtype:
+    """djv::TraceRec (plugins/common/djv_trace.cuh) as a numpy record."""
+    return np.dtype([("t", "<u8", (events,)), ("launch", "<u4"), ("grid", "<u4"), ("smid", "<u4"), ("items", "<u4")])
+
+
+def trace_api(lib: ctypes.CDLL):
+    """The traced build's accessors, or a clear error when the library has none."""
+    if not hasattr(lib, "djv_trace_read"):
+        raise SystemExit(f"{lib._name} has no timeline stamps: build it with -DDJV_TRACE=ON (see this file's doc)")
+    layout = (ctypes.c_int * 5)()
+    lib.djv_trace_layout(layout)
+    kinds, ctas, calls, events, rec = list(layout)
+    lib.djv_trace_reset.restype = ctypes.c_int
+    lib.djv_trace_read.restype = ctypes.c_int
+    lib.djv_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    dtype = record_dtype(events)
+    if dtype.itemsize != rec:
+        raise SystemExit(f"trace record is {rec} bytes in the library, {dtype.itemsize} here: rebuild both")
+
+    def reset():
+        rc = lib.djv_trace_reset()
+        if rc:
+            raise RuntimeError(f"djv_trace_reset: CUDA error {rc}")
+
+    def read():
+        buf = np.zeros((kinds, ctas, calls), dtype=dtype)
+        rc = lib.djv_trace_read(buf.ctypes.data, buf.nbytes)
+        if rc:
+            raise RuntimeError(f"djv_trace_read: error {rc}")
+        return buf
+
+    return reset, read, calls
+
+
+def per_call(buf, kind, launch):
+    """The records of one launch of one kernel kind: a [CTAs] structured array (grid taken from the records)."""
+    recs = buf[kind, :, launch % buf.shape[2]]
+    recs = recs[(recs["launch"] == launch) & (recs["t"][:, 0] > 0)]
+    if len(recs) == 0:
+        return recs
+    return recs[: int(recs["grid"][0])]
+
+
+def us(x):
+    return round(float(x) / 1e3, 2)
+
+
+def analyse(buf, ncalls):
+    """Per-call stamps relative to the previous call's end, medians over the middle calls."""
+    rows = []
+    for i in range(2, ncalls - 1):
+        prev = per_call(buf, REDUCE, i - 1)
+        bulk, red = per_call(buf, BULK, i), per_call(buf, REDUCE, i)
+        if len(prev) == 0 or len(bulk) == 0 or len(red) == 0:
+            continue
+        t_prev = prev["t"][:, 5].max()
+        bt, rt = bulk["t"].astype(np.int64) - int(t_prev), red["t"].astype(np.int64) - int(t_prev)
+        rows.append(dict(
+            bulk_ctas=len(bulk), reduce_ctas=len(red),
+            start_first=bt[:, 0].min(), start_median=np.median(bt[:, 0]), start_last=bt[:, 0].max(),
+            wait_returned_median=np.median(bt[:, 1]), wait_returned_last=bt[:, 1].max(),
+            table_ready_median=np.median(bt[:, 2]),
+            first_rows_median=np.median(bt[:, 3]), first_rows_last=bt[:, 3].max(),
+            last_neuron_first=bt[:, 4].min(), last_neuron_median=np.median(bt[:, 4]), last_neuron_last=bt[:, 4].max(),
+            partials_stored_last=bt[:, 5].max(),
+            reduce_start_first=rt[:, 0].min(), reduce_wait_returned_first=rt[:, 1].min(),
+            reduce_wait_returned_median=np.median(rt[:, 1]), reduce_reads_done_median=np.median(rt[:, 4]),
+            reduce_end_last=rt[:, 5].max(),
+            items_min=int(bulk["items"].min()), items_max=int(bulk["items"].max()),
+        ))
+    if not rows:
+        raise RuntimeError("no complete calls in the trace (ring too small, or the kernels were not the traced ones)")
+    return {k: (statistics.median(r[k] for r in rows) if not k.startswith(("items", "bulk_ctas", "reduce_ctas"))
+                else rows[0][k]) for k in rows[0]}, len(rows)
+
+
+def stamp_resolution(buf):
+    t = np.unique(buf["t"][buf["t"] > 0].astype(np.int64))
+    d = np.diff(t)
+    return int(d[d > 0].min()) if len(d) else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", type=Path, default=DEFAULT_LIB, help="a -DDJV_TRACE=ON build of libdejavu_kernels")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--kept", default="0.2,0.25", help="comma list of kept fractions")
+    ap.add_argument("--indices-ready", default="1,0", help="comma list of 0/1 (the promise the executor makes: 1)")
+    ap.add_argument("--mlp-grid-slack", default="0,2", help="comma list of grid slacks (SMs; the executor's batch-1 "
+                    "choice is usually 2)")
+    ap.add_argument("--calls", type=int, default=32, help="calls per graph (at most the ring's launches per CTA)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    if not a.lib.exists():
+        raise SystemExit(f"{a.lib} not found: cmake -S plugins -B {a.lib.parent} -DDJV_TRACE=ON && "
+                         f"cmake --build {a.lib.parent} -j")
+    os.environ["DEJAVU_KERNELS_LIB"] = str(a.lib)  # before the kernels module opens a library
+    import torch
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_kernels import copy_bw, graph_time, ncopies, rnd  # noqa: E402
+    from dejavu_trt import kernels  # noqa: E402
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        raise SystemExit("needs a CUDA device of compute capability >= 9 (the fused MLP kernel is sm_90's)")
+    lib = kernels.load_library()
+    reset, read, ring = trace_api(lib)
+    if a.calls > ring:
+        raise SystemExit(f"--calls {a.calls}: the ring keeps {ring} launches per CTA")
+    torch.manual_seed(0)
+    cbw, _ = copy_bw()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write, 2 GiB fp32 copy_): {cbw / 1e9:.0f} GB/s",
+          flush=True)
+    out = []
+    for name in a.shapes.split(","):
+        d, N, act = SHAPES[name]
+        glu = act == "silu_glu"
+        nmat = 3 if glu else 2
+        sets = []
+        for _ in range(ncopies(0.1 * nmat * N * d * 2)):
+            w = dict(w_up=rnd(N, d, scale=d ** -0.5), w_down_t=rnd(N, d, scale=N ** -0.5))
+            if glu:
+                w["w_gate"] = rnd(N, d, scale=d ** -0.5)
+            else:
+                w["b_up"] = rnd(N, scale=0.1); w["b_down"] = rnd(d, scale=0.1)
+            sets.append(w)
+        x = rnd(1, d)
+        y = torch.empty(1, d, device="cuda", dtype=x.dtype)
+        for kept in (float(k) for k in a.kept.split(",")):
+            K = max(1, round(kept * N))
+            idx = torch.randperm(N, device="cuda")[:K].sort().values.to(torch.int32)
+            ws = torch.zeros(kernels.sparse_mlp_workspace_size(1, d, N, K, 1, act), dtype=torch.uint8, device="cuda")
+            nbytes = nmat * K * d * 2 + 4 * d + (0 if glu else 2 * K)
+            for ready, slack in ((int(r), int(k)) for r in a.indices_ready.split(",")
+                                 for k in a.mlp_grid_slack.split(",")):
+                prev = kernels.set_indices_ready(bool(ready))
+                prev_slack = kernels.set_mlp_grid_slack(slack)
+                calls = [lambda w=w: kernels.sparse_mlp(x, idx, activation=act, out=y, workspace=ws, **w)
+                         for w in sets]
+                calls = (calls * math.ceil(a.calls / len(calls)))[: a.calls]
+                t = graph_time(calls)  # captures and replays its own graph: the traced call's time
+                # one more capture for the trace: reset the counters, replay once, read
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for f in calls:
+                        f()
+                g.replay(); torch.cuda.synchronize()
+                reset()
+                g.replay(); torch.cuda.synchronize()
+                buf = read()
+                kernels.set_indices_ready(prev)
+                kernels.set_mlp_grid_slack(prev_slack)
+                med, n_used = analyse(buf, a.calls)
+                row = dict(shape=name, B=1, kept=kept, K=K, indices_ready=ready, slack=slack, MB=round(nbytes / 1e6, 1),
+                           traced_call_us=round(t * 1e6, 2), bytes_at_copy_us=round(nbytes / cbw * 1e6, 2),
+                           calls_analysed=n_used, stamp_resolution_ns=stamp_resolution(buf),
+                           **{k: (us(v) if not k.startswith(("items", "bulk_ctas", "reduce_ctas")) else v)
+                              for k, v in med.items()})
+                row["fixed_us"] = round(row["reduce_end_last"] - row["bytes_at_copy_us"], 2)
+                out.append(row)
+                print(json.dumps(row), flush=True)
+                print(f"trace {name:16s} kept={kept:.2f} ready={ready} slack={slack}  call {row['reduce_end_last']:6.2f} us "
+                      f"(traced graph {row['traced_call_us']:6.2f}; bytes at copy {row['bytes_at_copy_us']:6.2f}; "
+                      f"fixed {row['fixed_us']:5.2f})  | from the previous call's end: bulk CTAs start "
+                      f"{row['start_first']:5.2f}..{row['start_last']:5.2f}, wait returns {row['wait_returned_median']:5.2f}, "
+                      f"first rows {row['first_rows_median']:5.2f} (last {row['first_rows_last']:5.2f}), "
+                      f"last neuron {row['last_neuron_first']:6.2f}/{row['last_neuron_median']:6.2f}/"
+                      f"{row['last_neuron_last']:6.2f}, partials {row['partials_stored_last']:6.2f}, "
+                      f"reduce wait returns {row['reduce_wait_returned_first']:6.2f}, reads done "
+                      f"{row['reduce_reads_done_median']:6.2f}, end {row['reduce_end_last']:6.2f}", flush=True)
+            del ws
+        del sets
+        torch.cuda.empty_cache()
+    if a.json:
+        a.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=cbw / 1e9, rows=out), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
