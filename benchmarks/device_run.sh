@@ -28,7 +28,7 @@
 # (TIMELINE_DS="5120 ...", TIMELINE_ENV=ENV=VAL).
 # mlp-l2[:ENV=VAL]: the fused MLP with its rows L2-resident against rotating row sets from HBM.
 # first-step: wall time of batch 1's first decode step, the timed choice (auto) vs an executor pinned to it.
-# mlp-trace: per-CTA timeline stamps of batch 1's fused MLP and its reduction, from a -DDJV_TRACE build
+# mlp-trace[:ENV=VAL,...]: per-CTA timeline stamps of batch 1's fused MLP and its reduction, from a -DDJV_TRACE build
 # (probes/mlp_trace.py): where each call's fixed cost goes.
 # partial-sums: the partial-sum reduction kernel against fp32 atomics into the norm's input (probes/partial_sums.cu).
 set -uo pipefail
@@ -181,13 +181,15 @@ for step in "$@"; do
             run timeline-d$d ${TIMELINE_ENV:-} -- $PY benchmarks/probes/graph_timeline.py --hidden $d --json-out "$LOGS/timeline-d$d.json"
             grep -E '^timeline' "$LOGS/timeline-d$d.log" | cut -c1-170
         done ;;
-    mlp-trace)  # a timeline from inside the fused MLP and its reduction (probes/mlp_trace.py, a -DDJV_TRACE build)
-        if cmake -S plugins -B plugins/build-trace -DDJV_TRACE=ON -DCMAKE_BUILD_TYPE=Release > "$LOGS/build-trace.log" 2>&1 &&
-            cmake --build plugins/build-trace -j >> "$LOGS/build-trace.log" 2>&1; then
-            run mlp-trace -- $PY benchmarks/probes/mlp_trace.py --json "$LOGS/mlp-trace.json"
-            grep -E '^trace ' "$LOGS/mlp-trace.log" | cut -c1-400
+    mlp-trace|mlp-trace:*)  # a timeline from inside the fused MLP and its reduction (probes/mlp_trace.py, a -DDJV_TRACE build)
+        IFS=, read -ra kv <<< "$( [[ $step == *:* ]] && echo "${step#*:}" )"
+        if [ -f plugins/build-trace/libdejavu_kernels.so ] && [ "$(cat plugins/build-trace/.sources 2>/dev/null)" = "$(sources_hash)" ] ||
+            { cmake -S plugins -B plugins/build-trace -DDJV_TRACE=ON -DCMAKE_BUILD_TYPE=Release > "$LOGS/build-trace.log" 2>&1 &&
+              cmake --build plugins/build-trace -j >> "$LOGS/build-trace.log" 2>&1 && sources_hash > plugins/build-trace/.sources; }; then
+            run "$step" "${kv[@]}" -- $PY benchmarks/probes/mlp_trace.py --json "$LOGS/$step.json"
+            grep -E '^trace ' "$LOGS/$step.log" | cut -c1-400
         else
-            failed=1; echo "mlp-trace: the traced build failed"; tail -20 "$LOGS/build-trace.log"
+            failed=1; echo "$step: the traced build failed"; tail -20 "$LOGS/build-trace.log"
         fi ;;
     mlp-l2)  # the fused MLP with its rows L2-resident vs from HBM (probes/mlp_l2.py): bytes or latency?
         run mlp-l2 -- $PY benchmarks/probes/mlp_l2.py
