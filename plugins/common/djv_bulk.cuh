@@ -75,34 +75,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
 #endif
 }
 
-// Thread-block clusters (sm_90): this CTA's rank in its cluster, a cluster-wide barrier (all threads of
-// every CTA of the cluster; release/acquire, so shared-memory writes before it are visible to the cluster's
-// reads after it), and a 16-byte read of another cluster CTA's shared memory at the address `p` has here.
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r = 0;
-#ifdef DJV_BULK
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-#endif
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-#ifdef DJV_BULK
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ float4 ld_cluster_f4(const void* p, unsigned rank) {
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#ifdef DJV_BULK
-    uint32_t a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(a)
-                 : "memory");
-#endif
-    return v;
-}
-
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
 #ifdef DJV_BULK
     asm volatile(
@@ -146,37 +118,20 @@ inline bool pdl_enabled() {
     return !env_off && is_sm90_or_newer();
 }
 
-// cluster > 1 (sm_90 only): launched in thread-block clusters of that many CTAs along x (grid.x a multiple).
 template <typename... KArgs, typename... Args>
-inline cudaError_t launch_pdl_cluster(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
-                                      int cluster, Args&&... args) {
+inline cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                              Args&&... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = st;
-    cudaLaunchAttribute attr[2];
-    int n = 0;
-    if (pdl_enabled()) {
-        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[n].val.programmaticStreamSerializationAllowed = 1;
-        ++n;
-    }
-    if (cluster > 1) {
-        attr[n].id = cudaLaunchAttributeClusterDimension;
-        attr[n].val.clusterDim.x = (unsigned)cluster;
-        attr[n].val.clusterDim.y = 1;
-        attr[n].val.clusterDim.z = 1;
-        ++n;
-    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = n;
+    cfg.numAttrs = pdl_enabled() ? 1 : 0;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-template <typename... KArgs, typename... Args>
-inline cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
-                              Args&&... args) {
-    return launch_pdl_cluster(kernel, grid, block, smem, st, 1, std::forward<Args>(args)...);
 }
 
 }  // namespace djv

@@ -313,30 +313,22 @@ __global__ void __launch_bounds__(kSkThreads, NB == 1 ? 3 : 2) rows_down_kernel(
 
 // y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias) (+ residual). CTA: 16 float4 columns x 16
 // chunk lanes, so a column's partials are read by 16 threads at once (one L2 round trip per 16 chunks).
-// SPLIT > 1 (sm_90): a thread-block cluster of SPLIT CTAs shares one 64-column block, rank r summing chunks
-// r * 16 + lane (mod 16 * SPLIT); rank 0 adds the other ranks' column sums (distributed shared memory, rank
-// order: deterministic) and finishes. The partials are read by SPLIT times as many SMs: at batch 1 one CTA per
-// 64 columns leaves most SMs idle (OPT-13B: 80 of 132), and the reads are most of the kernel's time
-// (benchmarks/probes/mlp_trace.py).
 // early: bias and residual are loaded before the launch wait, while the kernel before finishes. Safe: they
 // are inputs of the op, written (if at all) before its first kernel, which waited for them before this
 // kernel could launch (djv_bulk.cuh's chain rule); only the partials come from the kernel before.
 constexpr int kReduceLanes = 16;
-// STATS: each cluster's 64 columns are one statistics block (djv_stats.cuh) of the rounded y, into y_stats.
-template <typename T, bool STATS, int SPLIT>
+// STATS: each CTA's 64 columns are one statistics block (djv_stats.cuh) of the rounded y, into y_stats.
+template <typename T, bool STATS>
 __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
                                                           const T* residual, T* y, float2* __restrict__ y_stats, int B,
                                                           int d, int C, int early) {
     __shared__ float4 red[kReduceLanes][16];
-    __shared__ float4 csum[SPLIT > 1 ? 16 : 1];  // this rank's column sums, read by rank 0
     DJV_TRACE_DECL;  // a -DDJV_TRACE build only (djv_trace.cuh): 0 start, 1 wait returned, 4 partials read, 5 end
     DJV_TRACE_START(1);
     const int cl = threadIdx.x & 15, kl = threadIdx.x >> 4;
-    const int rank = SPLIT > 1 ? (int)cluster_rank() : 0;
-    const int blk = blockIdx.x / SPLIT;
-    const int b = blockIdx.y, c4 = blk * 16 + cl;  // float4 column
+    const int b = blockIdx.y, c4 = blockIdx.x * 16 + cl;  // float4 column
     const bool ok = c4 * 4 < d;
-    const bool mine = rank == 0 && kl == 0 && ok;  // lanes 0-15 of rank 0 own one float4 column each
+    const bool mine = kl == 0 && ok;  // lanes 0-15 own one float4 column each
     const int col = c4 * 4;
     float4 bv = make_float4(0.f, 0.f, 0.f, 0.f), rv = bv;
     auto load_extras = [&]() {
@@ -354,7 +346,7 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     if (ok) {
 #pragma unroll 8
-        for (int k = rank * kReduceLanes + kl; k < C; k += kReduceLanes * SPLIT) {
+        for (int k = kl; k < C; k += kReduceLanes) {
             const float4 v = __ldcg(reinterpret_cast<const float4*>(part + ((size_t)k * B + b) * d) + c4);
             s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
         }
@@ -371,18 +363,6 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
             t.x += red[k][cl].x; t.y += red[k][cl].y; t.z += red[k][cl].z; t.w += red[k][cl].w;
         }
     }
-    if (SPLIT > 1) {
-        if (rank != 0 && kl == 0) csum[cl] = t;
-        cluster_sync();  // every rank's column sums written
-        if (mine)
-#pragma unroll
-            for (int r = 1; r < SPLIT; ++r) {
-                const float4 o = ld_cluster_f4(&csum[cl], (unsigned)r);
-                t.x += o.x; t.y += o.y; t.z += o.z; t.w += o.w;
-            }
-        cluster_sync();  // rank 0 has read them: the other ranks may exit
-        if (rank != 0) return;
-    }
     if (STATS ? threadIdx.x >= 32 : !mine) return;
     float v[4] = {};
     if (mine) {
@@ -395,17 +375,12 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
         v[0] = round_io<T>(t.x); v[1] = round_io<T>(t.y); v[2] = round_io<T>(t.z); v[3] = round_io<T>(t.w);
     }
     if (STATS)  // 16 float4 columns = one 64-column statistics block
-        store_block_stats<4>(v, mine ? 4 : 0, min(kStatCols, d - blk * kStatCols),
-                             y_stats + (size_t)b * stats_blocks(d) + blk);
+        store_block_stats<4>(v, mine ? 4 : 0, min(kStatCols, d - (int)blockIdx.x * kStatCols),
+                             y_stats + (size_t)b * stats_blocks(d) + blockIdx.x);
     DJV_TRACE_END(1, C);
 }
 
-// The reduction's settings: DJV_REDUCE_SPLIT=1|2|4 CTAs per 64-column block (sm_90 only; 1 elsewhere) and
-// DJV_REDUCE_EARLY=0|1 (bias and residual loaded before the launch wait), for A/B runs.
-inline int reduce_split() {
-    static const int v = env_int("DJV_REDUCE_SPLIT", 1, 4, 1);
-    return is_sm90_or_newer() && (v == 2 || v == 4) ? v : 1;
-}
+// DJV_REDUCE_EARLY=0 loads bias and residual after the launch wait instead, for A/B runs.
 inline int reduce_early() {
     static const int v = env_int("DJV_REDUCE_EARLY", 0, 1, 1);
     return v;
@@ -414,16 +389,10 @@ inline int reduce_early() {
 template <typename T>
 inline cudaError_t launch_rows_reduce(const float* part, const T* bias, const T* residual, T* y, int B, int d, int C,
                                       cudaStream_t st, float2* y_stats = nullptr) {
-    static_assert(16 * 4 == kStatCols, "one reduction cluster per statistics block");
-    const int split = reduce_split();
-    const dim3 grid(cdiv(d, 64) * split, B);
-#define DJV_REDUCE_LAUNCH(S)                                                                                      \
-    return launch_pdl_cluster(y_stats ? rows_reduce_kernel<T, true, S> : rows_reduce_kernel<T, false, S>, grid,  \
-                              dim3(256), 0, st, S, part, bias, residual, y, y_stats, B, d, C, reduce_early())
-    if (split == 4) DJV_REDUCE_LAUNCH(4);
-    if (split == 2) DJV_REDUCE_LAUNCH(2);
-    DJV_REDUCE_LAUNCH(1);
-#undef DJV_REDUCE_LAUNCH
+    static_assert(16 * 4 == kStatCols, "one reduction CTA per statistics block");
+    auto k = y_stats ? rows_reduce_kernel<T, true> : rows_reduce_kernel<T, false>;
+    return launch_pdl(k, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, y_stats, B, d, C,
+                      reduce_early());
 }
 
 // ---------------------------------------------------------------------------------------------
