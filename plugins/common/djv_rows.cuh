@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kSkThreads, NB == 1 ? 3 : 2) rows_down_kernel(
 // kernel could launch (djv_bulk.cuh's chain rule); only the partials come from the kernel before.
 constexpr int kReduceLanes = 16;
 // STATS: each CTA's 64 columns are one statistics block (djv_stats.cuh) of the rounded y, into y_stats.
-template <typename T, bool STATS, int U>
+template <typename T, bool STATS>
 __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restrict__ part, const T* __restrict__ bias,
                                                           const T* residual, T* y, float2* __restrict__ y_stats, int B,
                                                           int d, int C, int early) {
@@ -345,25 +345,10 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
     pdl_launch_dependents();
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     if (ok) {
-        if (U == 0) {  // main's loop: unrolled by 8, then the remainder one load at a time
 #pragma unroll 8
-            for (int k = kl; k < C; k += kReduceLanes) {
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(part + ((size_t)k * B + b) * d) + c4);
-                s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-            }
-        } else {  // batches of U loads in flight, added in the same order
-            constexpr int UB = U > 0 ? U : 1;
-            for (int k0 = kl; k0 < C; k0 += kReduceLanes * UB) {
-                float4 v[UB];
-#pragma unroll
-                for (int u = 0; u < UB; ++u) {  // unconditional (past C: partial C-1 again, not added), so
-                    const int k = min(k0 + u * kReduceLanes, C - 1);  // that all U loads issue before any add
-                    v[u] = __ldcg(reinterpret_cast<const float4*>(part + ((size_t)k * B + b) * d) + c4);
-                }
-#pragma unroll
-                for (int u = 0; u < UB; ++u)
-                    if (k0 + u * kReduceLanes < C) { s.x += v[u].x; s.y += v[u].y; s.z += v[u].z; s.w += v[u].w; }
-            }
+        for (int k = kl; k < C; k += kReduceLanes) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(part + ((size_t)k * B + b) * d) + c4);
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
         }
     }
     if (!early) load_extras();
@@ -401,27 +386,13 @@ inline int reduce_early() {
     return v;
 }
 
-// DJV_REDUCE_BATCH=U (9 or 13): each lane's partials in batches of U loads instead of main's unroll-by-8 loop,
-// whose remainder costs one more L2 round trip (at OPT-13B's 396 partials a lane loads 25: 8 + 8 + 8 + 1), for
-// A/B runs. 0 (default): main's loop. Same summation order either way.
-inline int reduce_batch() {
-    static const int v = env_int("DJV_REDUCE_BATCH", 0, 16, 0);
-    return v == 9 || v == 13 ? v : 0;
-}
-
 template <typename T>
 inline cudaError_t launch_rows_reduce(const float* part, const T* bias, const T* residual, T* y, int B, int d, int C,
                                       cudaStream_t st, float2* y_stats = nullptr) {
     static_assert(16 * 4 == kStatCols, "one reduction CTA per statistics block");
-#define DJV_REDUCE_LAUNCH(U_)                                                                                    \
-    return launch_pdl(y_stats ? rows_reduce_kernel<T, true, U_> : rows_reduce_kernel<T, false, U_>,            \
-                      dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, y_stats, B, d, C,        \
-                      reduce_early())
-    const int u = reduce_batch();
-    if (u == 9) DJV_REDUCE_LAUNCH(9);
-    if (u == 13) DJV_REDUCE_LAUNCH(13);
-    DJV_REDUCE_LAUNCH(0);
-#undef DJV_REDUCE_LAUNCH
+    auto k = y_stats ? rows_reduce_kernel<T, true> : rows_reduce_kernel<T, false>;
+    return launch_pdl(k, dim3(cdiv(d, 64), B), dim3(256), 0, st, part, bias, residual, y, y_stats, B, d, C,
+                      reduce_early());
 }
 
 // ---------------------------------------------------------------------------------------------
