@@ -29,7 +29,8 @@
 # mlp-l2[:ENV=VAL]: the fused MLP with its rows L2-resident against rotating row sets from HBM.
 # first-step: wall time of batch 1's first decode step, the timed choice (auto) vs an executor pinned to it.
 # mlp-trace[:ENV=VAL,...]: per-CTA timeline stamps of batch 1's fused MLP and its reduction, from a -DDJV_TRACE build
-# (probes/mlp_trace.py): where each call's fixed cost goes.
+# (probes/mlp_trace.py): where each call's fixed cost goes. attn-trace[:ENV=VAL,...]: the same for the attention
+# op's four kernels (OPT-13B, 20% of heads, 2k context).
 # partial-sums: the partial-sum reduction kernel against fp32 atomics into the norm's input (probes/partial_sums.cu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,8 +54,11 @@ sources_hash() {
 }
 echo "sources $(sources_hash)"
 t0=$(date +%s)
-if ! $PY -m dejavu_trt.kernels.build > "$LOGS/build.log" 2>&1; then tail -30 "$LOGS/build.log"; exit 1; fi
-echo "build $(( $(date +%s) - t0 ))s"
+# SKIP_BUILD=1: the trace steps only (they build their own library in plugins/build-trace)
+if [ -z "${SKIP_BUILD:-}" ]; then
+    if ! $PY -m dejavu_trt.kernels.build > "$LOGS/build.log" 2>&1; then tail -30 "$LOGS/build.log"; exit 1; fi
+    echo "build $(( $(date +%s) - t0 ))s"
+fi
 
 failed=0
 run() {  # run NAME ENV... -- CMD...: log to $LOGS/NAME.log, print rc, time and the last line
@@ -181,12 +185,13 @@ for step in "$@"; do
             run timeline-d$d ${TIMELINE_ENV:-} -- $PY benchmarks/probes/graph_timeline.py --hidden $d --json-out "$LOGS/timeline-d$d.json"
             grep -E '^timeline' "$LOGS/timeline-d$d.log" | cut -c1-170
         done ;;
-    mlp-trace|mlp-trace:*)  # a timeline from inside the fused MLP and its reduction (probes/mlp_trace.py, a -DDJV_TRACE build)
+    mlp-trace|mlp-trace:*|attn-trace|attn-trace:*)  # a timeline from inside the kernels (probes/mlp_trace.py, a -DDJV_TRACE build)
         IFS=, read -ra kv <<< "$( [[ $step == *:* ]] && echo "${step#*:}" )"
+        op=${step%%-trace*}
         if [ -f plugins/build-trace/libdejavu_kernels.so ] && [ "$(cat plugins/build-trace/.sources 2>/dev/null)" = "$(sources_hash)" ] ||
             { cmake -S plugins -B plugins/build-trace -DDJV_TRACE=ON -DCMAKE_BUILD_TYPE=Release > "$LOGS/build-trace.log" 2>&1 &&
               cmake --build plugins/build-trace -j >> "$LOGS/build-trace.log" 2>&1 && sources_hash > plugins/build-trace/.sources; }; then
-            run "$step" "${kv[@]}" -- $PY benchmarks/probes/mlp_trace.py --json "$LOGS/$step.json"
+            run "$step" "${kv[@]}" -- $PY benchmarks/probes/mlp_trace.py --op "$op" --json "$LOGS/$step.json"
             grep -E '^trace ' "$LOGS/$step.log" | cut -c1-400
         else
             failed=1; echo "$step: the traced build failed"; tail -20 "$LOGS/build-trace.log"

@@ -70,3 +70,29 @@ def test_stale_ring_slots_are_skipped():
 def test_resolution():
     buf = _trace(RING, 40_000)
     assert mlp_trace.stamp_resolution(buf) == 10  # the bulk CTAs' starts are 10 ns apart
+
+
+def test_chain_of_kernels():
+    """analyse_chain: every kernel's stamps from the previous call's end (the chain's last kernel), unset
+    stamps left out."""
+    period = 30_000
+    buf = np.zeros((5, CTAS, RING), dtype=mlp_trace.record_dtype(EVENTS))
+    t0 = 5_000_000
+    offsets = {mlp_trace.QKV: (-800, 400, 9_000), mlp_trace.ATTN_CORE: (-300, 9_400, 16_000),
+               mlp_trace.OUT_PROJ: (2_000, 16_500, 24_000), mlp_trace.REDUCE: (20_000, 24_600, period)}
+    for i in range(RING):
+        prev_end = t0 + i * period
+        for kind, (start, wait, end) in offsets.items():
+            for c in range(3):
+                r = buf[kind, c, i % RING]
+                r["t"] = [prev_end + start + c, prev_end + wait if kind != mlp_trace.QKV else 0, 0,
+                          0, prev_end + end - 500 + 100 * c if kind != mlp_trace.REDUCE else 0,
+                          prev_end + end - 200 * c if kind == mlp_trace.REDUCE else prev_end + end - 500 + 100 * c]
+                r["launch"], r["grid"] = i, 3
+    med, n = mlp_trace.analyse_chain(buf, mlp_trace.ATTN_CHAIN, RING)
+    assert n == RING - 3
+    assert med["reduce"]["end_last"] == period and med["reduce"]["wait_returned_median"] == 24_600
+    assert med["qkv"]["start_first"] == -800 and "wait_returned_median" not in med["qkv"]
+    assert med["attn_core"]["end_median"] == 16_000 - 400 and med["attn_core"]["end_last"] == 16_000 - 300
+    assert med["out_proj"]["wait_returned_median"] == 16_500 and med["out_proj"]["ctas"] == 3
+    assert "stamp4_median" in med["out_proj"] and "stamp4_median" not in med["reduce"]

@@ -9,6 +9,7 @@ reduction start, wait returned, partials read, end. Each call is measured from t
 (its reduction's last CTA), medians over the middle calls of the graph.
 
     python benchmarks/probes/mlp_trace.py [--lib plugins/build-trace/libdejavu_kernels.so] [--json out.json]
+    python benchmarks/probes/mlp_trace.py --op attn   # the attention op: QKV, core, output projection, reduction
 
 The stamps cost a few shared-memory stores and one record per CTA, so the traced call is timed too and
 printed next to the fixed cost; compare it with bench_kernels.py's untraced time from the same run.
@@ -34,7 +35,8 @@ SHAPES = {  # name: d, ffn, activation
     "LLaMA-2-7B": (4096, 11008, "silu_glu"),
     "LLaMA-3-70B-like": (8192, 28672, "silu_glu"),
 }
-BULK, REDUCE = 0, 1
+BULK, REDUCE, QKV, ATTN_CORE, OUT_PROJ = 0, 1, 2, 3, 4  # djv_trace.cuh's kinds
+ATTN_CHAIN = [("qkv", QKV), ("attn_core", ATTN_CORE), ("out_proj", OUT_PROJ), ("reduce", REDUCE)]
 
 
 def record_dtype(events: int) -> np.dtype:
@@ -42,28 +44,30 @@ def record_dtype(events: int) -> np.dtype:
     return np.dtype([("t", "<u8", (events,)), ("launch", "<u4"), ("grid", "<u4"), ("smid", "<u4"), ("items", "<u4")])
 
 
-def trace_api(lib: ctypes.CDLL):
-    """The traced build's accessors, or a clear error when the library has none."""
-    if not hasattr(lib, "djv_trace_read"):
+def trace_api(lib: ctypes.CDLL, tu: str = "mlp"):
+    """One translation unit's accessors in the traced build ("mlp": the fused MLP and its reduction; "attn": the
+    attention op's kernels), or a clear error when the library has none."""
+    if not hasattr(lib, f"djv_trace_read_{tu}"):
         raise SystemExit(f"{lib._name} has no timeline stamps: build it with -DDJV_TRACE=ON (see this file's doc)")
+    layout_fn, reset_fn, read_fn = (getattr(lib, f"djv_trace_{n}_{tu}") for n in ("layout", "reset", "read"))
     layout = (ctypes.c_int * 5)()
-    lib.djv_trace_layout(layout)
+    layout_fn(layout)
     kinds, ctas, calls, events, rec = list(layout)
-    lib.djv_trace_reset.restype = ctypes.c_int
-    lib.djv_trace_read.restype = ctypes.c_int
-    lib.djv_trace_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    reset_fn.restype = ctypes.c_int
+    read_fn.restype = ctypes.c_int
+    read_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     dtype = record_dtype(events)
     if dtype.itemsize != rec:
         raise SystemExit(f"trace record is {rec} bytes in the library, {dtype.itemsize} here: rebuild both")
 
     def reset():
-        rc = lib.djv_trace_reset()
+        rc = reset_fn()
         if rc:
             raise RuntimeError(f"djv_trace_reset: CUDA error {rc}")
 
     def read():
         buf = np.zeros((kinds, ctas, calls), dtype=dtype)
-        rc = lib.djv_trace_read(buf.ctypes.data, buf.nbytes)
+        rc = read_fn(buf.ctypes.data, buf.nbytes)
         if rc:
             raise RuntimeError(f"djv_trace_read: error {rc}")
         return buf
@@ -113,10 +117,88 @@ def analyse(buf, ncalls):
                 else rows[0][k]) for k in rows[0]}, len(rows)
 
 
+def analyse_chain(buf, chain, ncalls):
+    """For an op of several kernels (chain: [(name, kind)], the op's last kernel last), each kernel's stamps
+    relative to the previous call's end (the last kernel's last CTA), medians over the middle calls: first
+    start, median wait return (stamp 1), median stamp 4, median and last end. Stamps a kernel does not set
+    are left out. Returns ({name: {stat: ns}}, calls used)."""
+    last_kind = chain[-1][1]
+    per = []
+    for i in range(2, ncalls - 1):
+        prev = per_call(buf, last_kind, i - 1)
+        recs = {name: per_call(buf, kind, i) for name, kind in chain}
+        if len(prev) == 0 or any(len(r) == 0 for r in recs.values()):
+            continue
+        t_prev = int(prev["t"][:, 5].max())
+        row = {}
+        for name, r in recs.items():
+            t = r["t"].astype(np.int64)
+            st = dict(ctas=len(r), start_first=t[:, 0].min() - t_prev, end_median=np.median(t[:, 5]) - t_prev,
+                      end_last=t[:, 5].max() - t_prev)
+            for e, key in ((1, "wait_returned_median"), (2, "stamp2_median"), (4, "stamp4_median")):
+                if (t[:, e] > 0).all():
+                    st[key] = np.median(t[:, e]) - t_prev
+            row[name] = st
+        per.append(row)
+    if not per:
+        raise RuntimeError("no complete calls in the trace (ring too small, or the kernels were not the traced ones)")
+    out = {}
+    for name, _ in chain:
+        keys = set.intersection(*(set(r[name]) for r in per))
+        out[name] = {k: (per[0][name][k] if k == "ctas" else statistics.median(r[name][k] for r in per))
+                     for k in sorted(keys)}
+    return out, len(per)
+
+
 def stamp_resolution(buf):
     t = np.unique(buf["t"][buf["t"] > 0].astype(np.int64))
     d = np.diff(t)
     return int(d[d > 0].min()) if len(d) else 0
+
+
+def attn_trace(a, torch, kernels, rnd, trace_calls, cbw):
+    """OPT-13B attention (d 5120, 40 heads of 128, 8 kept, 2k context, kv active, B=1), as bench_kernels.py
+    times it, with and without the indices-ready promise: each kernel's stamps from the previous call's end."""
+    d, H, hd, T, Kh, B = 5120, 40, 128, 2048, 8, 1
+    nsets = 6
+    sets = [dict(w_q=rnd(H * hd, d, scale=d ** -0.5), w_k=rnd(H * hd, d, scale=d ** -0.5),
+                 w_v=rnd(H * hd, d, scale=d ** -0.5), w_o_t=rnd(H * hd, d, scale=(H * hd) ** -0.5),
+                 kc=rnd(B, H, T, hd), vc=rnd(B, H, T, hd)) for _ in range(nsets)]
+    x = rnd(B, d)
+    y = torch.empty(B, d, device="cuda", dtype=x.dtype)
+    pos = torch.full((B,), T - 1, device="cuda", dtype=torch.int32)
+    ang = torch.arange(T, device="cuda")[:, None] * (1e4 ** (-torch.arange(hd // 2, device="cuda") / (hd // 2)))
+    rc, rs = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    hidx = torch.randperm(H, device="cuda")[:Kh].sort().values.to(torch.int32)
+    ws = torch.zeros(kernels.head_attention_workspace_size(B, d, H, H, hd, Kh, T, "active"), dtype=torch.uint8,
+                     device="cuda")
+    nbytes = (4 * Kh * hd * d + 2 * B * Kh * T * hd) * 2  # Q/K/V/O rows of the kept heads, their KV cache
+    out = []
+    for ready in (int(r) for r in a.indices_ready.split(",")):
+        prev = kernels.set_indices_ready(bool(ready))
+        calls = [lambda s=s: kernels.head_sparse_attention(
+            x, hidx, pos, s["w_q"], s["w_k"], s["w_v"], s["w_o_t"], None, None, None, None, rc, rs, s["kc"], s["vc"],
+            num_heads=H, num_kv_heads=H, head_dim=hd, rotary=1, scale=hd ** -0.5, kv_policy="active", out=y,
+            workspace=ws) for s in sets]
+        calls = (calls * math.ceil(a.calls / len(calls)))[: a.calls]
+        t, buf = trace_calls(calls)
+        kernels.set_indices_ready(prev)
+        med, n_used = analyse_chain(buf, ATTN_CHAIN, a.calls)
+        row = dict(op="attn", shape="OPT-13B", B=B, heads_kept=Kh, ctx=T, indices_ready=ready,
+                   MB=round(nbytes / 1e6, 1), traced_call_us=round(t * 1e6, 2),
+                   bytes_at_copy_us=round(nbytes / cbw * 1e6, 2), calls_analysed=n_used,
+                   stamp_resolution_ns=stamp_resolution(buf),
+                   kernels={k: {s_: (v if s_ == "ctas" else us(v)) for s_, v in st.items()} for k, st in med.items()})
+        out.append(row)
+        print(json.dumps(row, default=float), flush=True)
+        parts = "; ".join(f"{k} ({st['ctas']} CTAs) start {st['start_first']:.2f}"
+                          + (f" wait {st['wait_returned_median']:.2f}" if "wait_returned_median" in st else "")
+                          + (f" s4 {st['stamp4_median']:.2f}" if "stamp4_median" in st else "")
+                          + f" end {st['end_median']:.2f}/{st['end_last']:.2f}" for k, st in row["kernels"].items())
+        print(f"trace attn OPT-13B B=1 heads=8/40 ctx={T} ready={ready}  call {row['kernels']['reduce']['end_last']:.2f}"
+              f" us (traced graph {row['traced_call_us']:.2f}; bytes at copy {row['bytes_at_copy_us']:.2f})  | {parts}",
+              flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -128,6 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp-grid-slack", default="0,2", help="comma list of grid slacks (SMs; the executor's batch-1 "
                     "choice is usually 2)")
     ap.add_argument("--calls", type=int, default=32, help="calls per graph (at most the ring's launches per CTA)")
+    ap.add_argument("--op", choices=("mlp", "attn"), default="mlp",
+                    help="attn: the head-sparse attention op instead (OPT-13B, 20%% of heads, 2k context, kv active)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     if not a.lib.exists():
@@ -143,13 +227,32 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         raise SystemExit("needs a CUDA device of compute capability >= 9 (the fused MLP kernel is sm_90's)")
     lib = kernels.load_library()
-    reset, read, ring = trace_api(lib)
+    reset, read, ring = trace_api(lib, a.op)
     if a.calls > ring:
         raise SystemExit(f"--calls {a.calls}: the ring keeps {ring} launches per CTA")
     torch.manual_seed(0)
     cbw, _ = copy_bw()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write, 2 GiB fp32 copy_): {cbw / 1e9:.0f} GB/s",
           flush=True)
+
+    def trace_calls(calls):
+        """The traced graph's time per call, and its records: captured once more, counters reset, replayed."""
+        t = graph_time(calls)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in calls:
+                f()
+        g.replay(); torch.cuda.synchronize()
+        reset()
+        g.replay(); torch.cuda.synchronize()
+        return t, read()
+
+    if a.op == "attn":
+        out = attn_trace(a, torch, kernels, rnd, trace_calls, cbw)
+        if a.json:
+            a.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=cbw / 1e9, rows=out),
+                                         indent=1, default=float))
+        return 0
     out = []
     for name in a.shapes.split(","):
         d, N, act = SHAPES[name]

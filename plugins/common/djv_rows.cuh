@@ -229,6 +229,8 @@ __global__ void __launch_bounds__(kSkThreads, NB == 1 ? 3 : 2) rows_down_kernel(
                                                                   const T* __restrict__ w, const T* __restrict__ bias,
                                                                   const T* residual, T* y, float* __restrict__ part,
                                                                   int B, int d, RowsDownPlan p, SplitParts sp) {
+    DJV_TRACE_DECL;  // a -DDJV_TRACE build only (djv_trace.cuh), CTAs whose warp 0 has work: 0 start, 1 wait
+    DJV_TRACE_START(4);  // returned, 5 partials stored
     const int lane = threadIdx.x & 31;
     const int gw = blockIdx.x * (kSkThreads / 32) + (threadIdx.x >> 5);
     const bool live = gw < p.C * p.S;
@@ -247,6 +249,7 @@ __global__ void __launch_bounds__(kSkThreads, NB == 1 ? 3 : 2) rows_down_kernel(
     };
     if (p.early && live) load_rows(j0);  // weights and indices: not the kernel before's output
     pdl_wait_primary();  // launched early (launch_down): act comes from the kernel before
+    DJV_TRACE_MARK(1);
     pdl_launch_dependents();  // the reduction may launch now; it waits for this grid's results
     if (!live) return;
     float acc[NB][8] = {};
@@ -309,6 +312,7 @@ __global__ void __launch_bounds__(kSkThreads, NB == 1 ? 3 : 2) rows_down_kernel(
             dst[1] = make_float4(acc[b][4], acc[b][5], acc[b][6], acc[b][7]);
         }
     }
+    DJV_TRACE_END(4, j1 - j0);
 }
 
 // y[b, c] = sum over chunks k (in order) of part[k, b, c] (+ bias) (+ residual). CTA: 16 float4 columns x 16

@@ -8,15 +8,17 @@
 // g_trace[kind][CTA][launch % kTraceCalls] with plain stores: no atomics, so nothing delays the CTA's exit.
 // The launch number is the CTA's own counter, loaded at its start (the next launch's CTA of the same index
 // starts only after this launch has ended: every kernel here waits for the one before). Each translation
-// unit has its own storage: the records read (djv_trace_read) are those of sparseMLPKernel.cu's kernels.
+// unit has its own storage, read through its own accessors (DJV_TRACE_ACCESSORS): sparseMLPKernel.cu's
+// (_mlp: the fused MLP and its reduction) and headSparseAttentionKernel.cu's (_attn: the attention op's four).
 #pragma once
 #include <stdint.h>
 
 #ifdef DJV_TRACE
 namespace djv {
 constexpr int kTraceEvents = 6;
-constexpr int kTraceKinds = 2;     // 0: mlp_bulk_kernel, 1: rows_reduce_kernel
-constexpr int kTraceCtas = 1024;   // CTAs per grid recorded (blockIdx.x + blockIdx.y * gridDim.x)
+// 0: mlp_bulk_kernel, 1: rows_reduce_kernel, 2: qkv_rows_kernel, 3: attn_kernel, 4: rows_down_kernel
+constexpr int kTraceKinds = 5;
+constexpr int kTraceCtas = 1024;   // CTAs per grid recorded (trace_cta(): x fastest, then y, then z)
 constexpr int kTraceCalls = 64;    // launches kept per CTA (a ring)
 struct TraceRec {
     unsigned long long t[kTraceEvents];  // 0 = not stamped
@@ -35,7 +37,9 @@ __device__ __forceinline__ unsigned sm_id() {
     asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
     return s;
 }
-__device__ __forceinline__ unsigned trace_cta() { return blockIdx.x + blockIdx.y * gridDim.x; }
+__device__ __forceinline__ unsigned trace_cta() {
+    return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
 }  // namespace djv
 
 #define DJV_TRACE_DECL __shared__ unsigned long long djv_trace_t_[djv::kTraceEvents]
@@ -61,12 +65,36 @@ __device__ __forceinline__ unsigned trace_cta() { return blockIdx.x + blockIdx.y
             djv::TraceRec& r_ = djv::g_trace[(kind)][djv::trace_cta()][djv_trace_launch_ % djv::kTraceCalls]; \
             for (int i_ = 0; i_ < djv::kTraceEvents; ++i_) r_.t[i_] = djv_trace_t_[i_];     \
             r_.launch = djv_trace_launch_;                                                  \
-            r_.grid = gridDim.x * gridDim.y;                                                \
+            r_.grid = gridDim.x * gridDim.y * gridDim.z;                                    \
             r_.smid = djv::sm_id();                                                         \
             r_.items = (unsigned)(nitems);                                                  \
             djv::g_trace_launches[(kind)][djv::trace_cta()] = djv_trace_launch_ + 1;        \
         }                                                                                   \
     } while (0)
+// The accessors of one translation unit's records (extern "C", in a -DDJV_TRACE build only; not part of the
+// C ABI): djv_trace_layout_<tu> {kinds, CTAs, launches kept per CTA, stamps, record bytes}, djv_trace_reset_<tu>
+// (every record and launch counter to 0, synchronous), djv_trace_read_<tu> (the records, [kinds][CTAs][launches]).
+#define DJV_TRACE_ACCESSORS(tu)                                                                  \
+    DJV_API void djv_trace_layout_##tu(int* out) {                                               \
+        out[0] = djv::kTraceKinds;                                                               \
+        out[1] = djv::kTraceCtas;                                                                \
+        out[2] = djv::kTraceCalls;                                                               \
+        out[3] = djv::kTraceEvents;                                                              \
+        out[4] = (int)sizeof(djv::TraceRec);                                                     \
+    }                                                                                            \
+    DJV_API int djv_trace_reset_##tu(void) {                                                     \
+        void* p = nullptr;                                                                       \
+        cudaError_t e = cudaGetSymbolAddress(&p, djv::g_trace);                                  \
+        if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(djv::g_trace));                        \
+        if (e == cudaSuccess) e = cudaGetSymbolAddress(&p, djv::g_trace_launches);               \
+        if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(djv::g_trace_launches));               \
+        if (e == cudaSuccess) e = cudaDeviceSynchronize();                                       \
+        return (int)e;                                                                           \
+    }                                                                                            \
+    DJV_API int djv_trace_read_##tu(void* dst, size_t bytes) {                                   \
+        if (bytes < sizeof(djv::g_trace)) return DJV_E_WORKSPACE;                                \
+        return (int)cudaMemcpyFromSymbol(dst, djv::g_trace, sizeof(djv::g_trace));               \
+    }
 #else
 #define DJV_TRACE_DECL
 #define DJV_TRACE_MARK(i) \

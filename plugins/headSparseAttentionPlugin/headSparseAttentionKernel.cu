@@ -12,6 +12,7 @@
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
 #include "djv_rows.cuh"
+#include "djv_trace.cuh"
 
 namespace {
 using namespace djv;
@@ -146,6 +147,8 @@ __global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
     // Launched early (launch_pdl): streamk_rows waits for the kernel before (x), then lets the attention
     // kernel launch and start its KV-cache reads. early: each warp's first weight loads go out before the
     // wait (qkv_early_loads).
+    DJV_TRACE_DECL;  // a -DDJV_TRACE build only (djv_trace.cuh): 0 start, 5 end
+    DJV_TRACE_START(2);
     const int lane = threadIdx.x & 31;
     const int qr = Kh * hd, kr = nslots * hd;
     auto which_of = [&](int item) { return item < qr ? 0 : (item < qr + kr ? 1 : 2); };
@@ -181,6 +184,7 @@ __global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
             if (b < B) qkv[(size_t)b * R + item] = v[0][b] + bb;
     };
     streamk_rows<T, NB, 1, qkv_rows_u(OCC)>(x, B, d, part, ctr, sk, rows, epi, early != 0);
+    DJV_TRACE_END(2, 0);
 }
 
 // GM: query heads held in registers per work item (1 when every KV head serves one query head, else GMAX).
@@ -199,6 +203,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     float* ored = sc + GMAX * L;     // [RP][GMAX][HD]
     __shared__ int s_info[4];
     __shared__ float s_m[GMAX], s_l[GMAX];
+    DJV_TRACE_DECL;  // a -DDJV_TRACE build only (djv_trace.cuh), work items with tokens: 0 start, 1 wait
+    DJV_TRACE_START(3);  // returned, 2 q ready, 4 partial written, 5 end (after the merge where it merges)
     const int x = blockIdx.x, b = blockIdx.y, z = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int group = H / Hkv;
@@ -268,6 +274,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             vpre[j] = (t < t1 && t != pos) ? ld_stream(vbase + (size_t)t * HD) : zero4();
         }
         pdl_wait_primary();
+        DJV_TRACE_MARK(1);
         pdl_launch_dependents();  // the output projection may launch (it waits for this grid)
         for (int i = tid; i < G * HD; i += blockDim.x) {
             const int g = i / HD, e = i % HD;
@@ -283,6 +290,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             }
         }
         __syncthreads();
+        DJV_TRACE_MARK(2);
         float qreg[GM][8];
 #pragma unroll
         for (int g = 0; g < GM; ++g)
@@ -374,6 +382,8 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
             mypart[g * gstride + 2 + e] = s;
         }
         if (tid < G) { mypart[tid * gstride] = s_m[tid]; mypart[tid * gstride + 1] = s_l[tid]; }
+        DJV_TRACE_MARK(4);
+        if (!merge_here) DJV_TRACE_END(3, n);
     } else {  // split past position[b]: an empty partial (skipped when merging)
         pdl_wait_primary();  // no writes before the wait (djv_bulk.cuh)
         pdl_launch_dependents();
@@ -421,6 +431,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         }
         o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num);
     }
+    DJV_TRACE_END(3, nsplit);  // the last arrival of a merged head (other CTAs of it record nothing)
 }
 
 // Batch <= 4 with at most 32 splits: the output projection merges the splits' partial softmaxes as it loads
@@ -622,5 +633,9 @@ DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, co
                                             scale, kv_policy, nullptr, DJV_LAYERNORM, 0.f, nullptr, dtype, workspace,
                                             workspace_bytes, stream);
 }
+
+#ifdef DJV_TRACE
+DJV_TRACE_ACCESSORS(attn)  // the timeline probe's accessors (djv_trace.cuh)
+#endif
 
 }  // extern "C"

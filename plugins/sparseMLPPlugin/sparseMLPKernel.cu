@@ -586,28 +586,7 @@ DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate
 }
 
 #ifdef DJV_TRACE
-// The timeline probe's accessors (djv_trace.cuh), in a -DDJV_TRACE build only; not part of the C ABI.
-// djv_trace_layout: {kinds, CTAs, launches kept per CTA, stamps, record bytes}.
-DJV_API void djv_trace_layout(int* out) {
-    out[0] = djv::kTraceKinds;
-    out[1] = djv::kTraceCtas;
-    out[2] = djv::kTraceCalls;
-    out[3] = djv::kTraceEvents;
-    out[4] = (int)sizeof(djv::TraceRec);
-}
-DJV_API int djv_trace_reset(void) {  // every record and launch counter to 0 (synchronous)
-    void* p = nullptr;
-    cudaError_t e = cudaGetSymbolAddress(&p, djv::g_trace);
-    if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(djv::g_trace));
-    if (e == cudaSuccess) e = cudaGetSymbolAddress(&p, djv::g_trace_launches);
-    if (e == cudaSuccess) e = cudaMemset(p, 0, sizeof(djv::g_trace_launches));
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
-    return (int)e;
-}
-DJV_API int djv_trace_read(void* dst, size_t bytes) {  // the records, [kinds][CTAs][launches] (synchronous)
-    if (bytes < sizeof(djv::g_trace)) return DJV_E_WORKSPACE;
-    return (int)cudaMemcpyFromSymbol(dst, djv::g_trace, sizeof(djv::g_trace));
-}
+DJV_TRACE_ACCESSORS(mlp)  // the timeline probe's accessors (djv_trace.cuh)
 #endif
 
 }  // extern "C"
