@@ -280,16 +280,7 @@ def main(argv=None) -> int:
                 calls = [lambda w=w: kernels.sparse_mlp(x, idx, activation=act, out=y, workspace=ws, **w)
                          for w in sets]
                 calls = (calls * math.ceil(a.calls / len(calls)))[: a.calls]
-                t = graph_time(calls)  # captures and replays its own graph: the traced call's time
-                # one more capture for the trace: reset the counters, replay once, read
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for f in calls:
-                        f()
-                g.replay(); torch.cuda.synchronize()
-                reset()
-                g.replay(); torch.cuda.synchronize()
-                buf = read()
+                t, buf = trace_calls(calls)
                 kernels.set_indices_ready(prev)
                 kernels.set_mlp_grid_slack(prev_slack)
                 med, n_used = analyse(buf, a.calls)
