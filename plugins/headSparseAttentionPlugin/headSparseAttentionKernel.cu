@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     __shared__ int s_info[4];
     __shared__ float s_m[GMAX], s_l[GMAX];
     DJV_TRACE_DECL;  // a -DDJV_TRACE build only (djv_trace.cuh), work items with tokens: 0 start, 1 wait
-    DJV_TRACE_START(3);  // returned, 2 q ready, 4 partial written, 5 end (after the merge where it merges)
+    DJV_TRACE_START(3);  // returned, 2 q ready, 4 and 5 partial written
     const int x = blockIdx.x, b = blockIdx.y, z = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int group = H / Hkv;
@@ -383,7 +383,9 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         }
         if (tid < G) { mypart[tid * gstride] = s_m[tid]; mypart[tid * gstride + 1] = s_l[tid]; }
         DJV_TRACE_MARK(4);
-        if (!merge_here) DJV_TRACE_END(3, n);
+        // Recorded here, not after a merge: which CTA merges varies by call, and a CTA must record every
+        // call or none (djv_trace.cuh's launch counters).
+        DJV_TRACE_END(3, n);
     } else {  // split past position[b]: an empty partial (skipped when merging)
         pdl_wait_primary();  // no writes before the wait (djv_bulk.cuh)
         pdl_launch_dependents();
@@ -431,7 +433,6 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
         }
         o_act[(size_t)b * Mo + (size_t)(st + g) * HD + e] = from_f<T>(num);
     }
-    DJV_TRACE_END(3, nsplit);  // the last arrival of a merged head (other CTAs of it record nothing)
 }
 
 // Batch <= 4 with at most 32 splits: the output projection merges the splits' partial softmaxes as it loads
