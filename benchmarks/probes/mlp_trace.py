@@ -88,16 +88,33 @@ def us(x):
     return round(float(x) / 1e3, 2)
 
 
-def analyse(buf, ncalls):
-    """Per-call stamps relative to the previous call's end, medians over the middle calls."""
-    rows = []
+def middle_calls(buf, kinds, ncalls):
+    """For each middle call i of the graph (2 .. ncalls-2) whose records are all there: the previous call's end
+    (the last CTA of kinds[-1], the op's last kernel, at call i-1) and call i's records of each kind."""
     for i in range(2, ncalls - 1):
-        prev = per_call(buf, REDUCE, i - 1)
-        bulk, red = per_call(buf, BULK, i), per_call(buf, REDUCE, i)
-        if len(prev) == 0 or len(bulk) == 0 or len(red) == 0:
-            continue
-        t_prev = prev["t"][:, 5].max()
-        bt, rt = bulk["t"].astype(np.int64) - int(t_prev), red["t"].astype(np.int64) - int(t_prev)
+        prev = per_call(buf, kinds[-1], i - 1)
+        recs = [per_call(buf, kind, i) for kind in kinds]
+        if len(prev) and all(len(r) for r in recs):
+            yield int(prev["t"][:, 5].max()), recs
+
+
+def median_over_calls(rows, fixed=()):
+    """The median of each statistic over the calls' rows; `fixed` ones (counts) are taken from the first row."""
+    if not rows:
+        raise RuntimeError("no complete calls in the trace (ring too small, or the kernels were not the traced ones)")
+    keys = set.intersection(*(set(r) for r in rows))
+    return {k: rows[0][k] if k in fixed else statistics.median(r[k] for r in rows) for k in sorted(keys)}
+
+
+MLP_COUNTS = ("bulk_ctas", "reduce_ctas", "items_min", "items_max")
+
+
+def analyse(buf, ncalls):
+    """The fused MLP's and its reduction's stamps relative to the previous call's end, medians over the middle
+    calls. Returns ({stat: ns, or a count}, calls used)."""
+    rows = []
+    for t_prev, (bulk, red) in middle_calls(buf, (BULK, REDUCE), ncalls):
+        bt, rt = bulk["t"].astype(np.int64) - t_prev, red["t"].astype(np.int64) - t_prev
         rows.append(dict(
             bulk_ctas=len(bulk), reduce_ctas=len(red),
             start_first=bt[:, 0].min(), start_median=np.median(bt[:, 0]), start_last=bt[:, 0].max(),
@@ -111,43 +128,25 @@ def analyse(buf, ncalls):
             reduce_end_last=rt[:, 5].max(),
             items_min=int(bulk["items"].min()), items_max=int(bulk["items"].max()),
         ))
-    if not rows:
-        raise RuntimeError("no complete calls in the trace (ring too small, or the kernels were not the traced ones)")
-    return {k: (statistics.median(r[k] for r in rows) if not k.startswith(("items", "bulk_ctas", "reduce_ctas"))
-                else rows[0][k]) for k in rows[0]}, len(rows)
+    return median_over_calls(rows, MLP_COUNTS), len(rows)
 
 
 def analyse_chain(buf, chain, ncalls):
     """For an op of several kernels (chain: [(name, kind)], the op's last kernel last), each kernel's stamps
-    relative to the previous call's end (the last kernel's last CTA), medians over the middle calls: first
-    start, median wait return (stamp 1), median stamp 4, median and last end. Stamps a kernel does not set
-    are left out. Returns ({name: {stat: ns}}, calls used)."""
-    last_kind = chain[-1][1]
-    per = []
-    for i in range(2, ncalls - 1):
-        prev = per_call(buf, last_kind, i - 1)
-        recs = {name: per_call(buf, kind, i) for name, kind in chain}
-        if len(prev) == 0 or any(len(r) == 0 for r in recs.values()):
-            continue
-        t_prev = int(prev["t"][:, 5].max())
-        row = {}
-        for name, r in recs.items():
+    relative to the previous call's end, medians over the middle calls: first start, median wait return
+    (stamp 1), median stamps 2 and 4, median and last end. Stamps a kernel does not set are left out.
+    Returns ({name: {stat: ns, or "ctas": a count}}, calls used)."""
+    per = {name: [] for name, _ in chain}
+    for t_prev, recs in middle_calls(buf, [kind for _, kind in chain], ncalls):
+        for (name, _), r in zip(chain, recs):
             t = r["t"].astype(np.int64)
             st = dict(ctas=len(r), start_first=t[:, 0].min() - t_prev, end_median=np.median(t[:, 5]) - t_prev,
                       end_last=t[:, 5].max() - t_prev)
             for e, key in ((1, "wait_returned_median"), (2, "stamp2_median"), (4, "stamp4_median")):
                 if (t[:, e] > 0).all():
                     st[key] = np.median(t[:, e]) - t_prev
-            row[name] = st
-        per.append(row)
-    if not per:
-        raise RuntimeError("no complete calls in the trace (ring too small, or the kernels were not the traced ones)")
-    out = {}
-    for name, _ in chain:
-        keys = set.intersection(*(set(r[name]) for r in per))
-        out[name] = {k: (per[0][name][k] if k == "ctas" else statistics.median(r[name][k] for r in per))
-                     for k in sorted(keys)}
-    return out, len(per)
+            per[name].append(st)
+    return {name: median_over_calls(rows, ("ctas",)) for name, rows in per.items()}, len(per[chain[0][0]])
 
 
 def stamp_resolution(buf):
@@ -287,8 +286,7 @@ def main(argv=None) -> int:
                 row = dict(shape=name, B=1, kept=kept, K=K, indices_ready=ready, slack=slack, MB=round(nbytes / 1e6, 1),
                            traced_call_us=round(t * 1e6, 2), bytes_at_copy_us=round(nbytes / cbw * 1e6, 2),
                            calls_analysed=n_used, stamp_resolution_ns=stamp_resolution(buf),
-                           **{k: (us(v) if not k.startswith(("items", "bulk_ctas", "reduce_ctas")) else v)
-                              for k, v in med.items()})
+                           **{k: (v if k in MLP_COUNTS else us(v)) for k, v in med.items()})
                 row["fixed_us"] = round(row["reduce_end_last"] - row["bytes_at_copy_us"], 2)
                 out.append(row)
                 print(json.dumps(row), flush=True)
