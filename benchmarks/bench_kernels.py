@@ -121,6 +121,36 @@ def rnd(*shape, scale=1.0):
     return (torch.randn(*shape, device="cuda", dtype=torch.float32) * scale).to(DT)
 
 
+def mlp_weight_set(d, N, glu):
+    """One copy of an MLP's weights as the kernels take them: neuron-major rows, the down projection stored
+    transposed; gate rows (SwiGLU) or biases (OPT)."""
+    w = dict(w_up=rnd(N, d, scale=d ** -0.5), w_down_t=rnd(N, d, scale=N ** -0.5))
+    if glu:
+        w["w_gate"] = rnd(N, d, scale=d ** -0.5)
+    else:
+        w["b_up"] = rnd(N, scale=0.1); w["b_down"] = rnd(d, scale=0.1)
+    return w
+
+
+def mlp_bytes(B, d, K, glu):
+    """Bytes a sparse MLP call must move: the K neurons' rows, x and y, and the up biases (OPT)."""
+    return (3 if glu else 2) * K * d * ES + 2 * B * d * ES + (0 if glu else K * ES)
+
+
+def attn_weight_set(d, H, Hkv, hd, B, T):
+    """One copy of an attention layer's projections (w_o stored transposed, as the kernel takes it) and its
+    KV cache [B, Hkv, T, hd]."""
+    return dict(w_q=rnd(H * hd, d, scale=d ** -0.5), w_k=rnd(Hkv * hd, d, scale=d ** -0.5),
+                w_v=rnd(Hkv * hd, d, scale=d ** -0.5), w_o_t=rnd(H * hd, d, scale=(H * hd) ** -0.5),
+                kc=rnd(B, Hkv, T, hd), vc=rnd(B, Hkv, T, hd))
+
+
+def rope_tables(T, hd):
+    """RoPE cos/sin [T, hd/2] in the benchmark dtype (base 10^4)."""
+    ang = torch.arange(T, device="cuda")[:, None] * (1e4 ** (-torch.arange(hd // 2, device="cuda") / (hd // 2)))
+    return ang.cos().to(DT), ang.sin().to(DT)
+
+
 def bench_mlp(name, batches, kepts, cbw, rows):
     d, N, _, _, act = SHAPES[name]
     glu = act == "silu_glu"
@@ -129,11 +159,7 @@ def bench_mlp(name, batches, kepts, cbw, rows):
     nc = ncopies(0.1 * full_bytes)
     sets = []
     for _ in range(nc):
-        w = dict(w_up=rnd(N, d, scale=d ** -0.5), w_down_t=rnd(N, d, scale=N ** -0.5))
-        if glu:
-            w["w_gate"] = rnd(N, d, scale=d ** -0.5)
-        else:
-            w["b_up"] = rnd(N, scale=0.1); w["b_down"] = rnd(d, scale=0.1)
+        w = mlp_weight_set(d, N, glu)
         w["w_down"] = w["w_down_t"].t().contiguous()  # HF layout for the dense baseline
         sets.append(w)
     for B in batches:
@@ -155,7 +181,7 @@ def bench_mlp(name, batches, kepts, cbw, rows):
                 kw = {k: v for k, v in w.items() if k != "w_down"}
                 calls.append(lambda kw=kw: kernels.sparse_mlp(x, idx, activation=act, out=y, workspace=ws, **kw))
             t = graph_time(calls * 2)
-            nbytes = nmat * K * d * ES + 2 * B * d * ES + (K * ES if not glu else 0)
+            nbytes = mlp_bytes(B, d, K, glu)
             same = copy_same_size(nbytes)
             rows.append(dict(op="mlp", shape=name, B=B, kept=kept, K=K, us=t * 1e6, GBps=nbytes / t / 1e9,
                              pct_copy=100 * nbytes / t / cbw, same_copy_GBps=same / 1e9, pct_same=100 * nbytes / t / same,
@@ -177,17 +203,14 @@ def bench_attn(name, batches, head_frac, ctx, cbw, rows):
         nc = max(2, min(6, math.ceil(4 * L2_BYTES / (0.2 * (w_bytes + cache_bytes)))))
         sets = []
         for _ in range(nc):
-            s = dict(w_q=rnd(H * hd, d, scale=d ** -0.5), w_k=rnd(Hkv * hd, d, scale=d ** -0.5),
-                     w_v=rnd(Hkv * hd, d, scale=d ** -0.5), w_o_t=rnd(H * hd, d, scale=(H * hd) ** -0.5))
-            s["w_o"] = s["w_o_t"].t().contiguous()
-            s["kc"] = rnd(B, Hkv, T, hd); s["vc"] = rnd(B, Hkv, T, hd)
+            s = attn_weight_set(d, H, Hkv, hd, B, T)
+            s["w_o"] = s["w_o_t"].t().contiguous()  # HF layout for the dense baseline
             sets.append(s)
         x = rnd(B, d)
         y = torch.empty(B, d, device="cuda", dtype=DT)
         pos = torch.full((B,), T - 1, device="cuda", dtype=torch.int32)
         posl = pos.long()
-        ang = torch.arange(T, device="cuda")[:, None] * (1e4 ** (-torch.arange(hd // 2, device="cuda") / (hd // 2)))
-        rc, rs = ang.cos().to(DT), ang.sin().to(DT)
+        rc, rs = rope_tables(T, hd)
         brow = torch.arange(B, device="cuda")
 
         def dense_call(s):

@@ -155,19 +155,16 @@ def stamp_resolution(buf):
     return int(d[d > 0].min()) if len(d) else 0
 
 
-def attn_trace(a, torch, kernels, rnd, trace_calls, cbw):
+def attn_trace(a, torch, kernels, bk, trace_calls, cbw):
     """OPT-13B attention (d 5120, 40 heads of 128, 8 kept, 2k context, kv active, B=1), as bench_kernels.py
     times it, with and without the indices-ready promise: each kernel's stamps from the previous call's end."""
     d, H, hd, T, Kh, B = 5120, 40, 128, 2048, 8, 1
     nsets = 6
-    sets = [dict(w_q=rnd(H * hd, d, scale=d ** -0.5), w_k=rnd(H * hd, d, scale=d ** -0.5),
-                 w_v=rnd(H * hd, d, scale=d ** -0.5), w_o_t=rnd(H * hd, d, scale=(H * hd) ** -0.5),
-                 kc=rnd(B, H, T, hd), vc=rnd(B, H, T, hd)) for _ in range(nsets)]
-    x = rnd(B, d)
+    sets = [bk.attn_weight_set(d, H, H, hd, B, T) for _ in range(nsets)]
+    x = bk.rnd(B, d)
     y = torch.empty(B, d, device="cuda", dtype=x.dtype)
     pos = torch.full((B,), T - 1, device="cuda", dtype=torch.int32)
-    ang = torch.arange(T, device="cuda")[:, None] * (1e4 ** (-torch.arange(hd // 2, device="cuda") / (hd // 2)))
-    rc, rs = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    rc, rs = bk.rope_tables(T, hd)
     hidx = torch.randperm(H, device="cuda")[:Kh].sort().values.to(torch.int32)
     ws = torch.zeros(kernels.head_attention_workspace_size(B, d, H, H, hd, Kh, T, "active"), dtype=torch.uint8,
                      device="cuda")
@@ -220,7 +217,7 @@ def main(argv=None) -> int:
     import torch
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_kernels import copy_bw, graph_time, ncopies, rnd  # noqa: E402
+    import bench_kernels as bk  # noqa: E402
     from dejavu_trt import kernels  # noqa: E402
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
@@ -230,13 +227,13 @@ def main(argv=None) -> int:
     if a.calls > ring:
         raise SystemExit(f"--calls {a.calls}: the ring keeps {ring} launches per CTA")
     torch.manual_seed(0)
-    cbw, _ = copy_bw()
+    cbw, _ = bk.copy_bw()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write, 2 GiB fp32 copy_): {cbw / 1e9:.0f} GB/s",
           flush=True)
 
     def trace_calls(calls):
         """The traced graph's time per call, and its records: captured once more, counters reset, replayed."""
-        t = graph_time(calls)
+        t = bk.graph_time(calls)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for f in calls:
@@ -247,7 +244,7 @@ def main(argv=None) -> int:
         return t, read()
 
     if a.op == "attn":
-        out = attn_trace(a, torch, kernels, rnd, trace_calls, cbw)
+        out = attn_trace(a, torch, kernels, bk, trace_calls, cbw)
         if a.json:
             a.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_GBps=cbw / 1e9, rows=out),
                                          indent=1, default=float))
@@ -257,21 +254,14 @@ def main(argv=None) -> int:
         d, N, act = SHAPES[name]
         glu = act == "silu_glu"
         nmat = 3 if glu else 2
-        sets = []
-        for _ in range(ncopies(0.1 * nmat * N * d * 2)):
-            w = dict(w_up=rnd(N, d, scale=d ** -0.5), w_down_t=rnd(N, d, scale=N ** -0.5))
-            if glu:
-                w["w_gate"] = rnd(N, d, scale=d ** -0.5)
-            else:
-                w["b_up"] = rnd(N, scale=0.1); w["b_down"] = rnd(d, scale=0.1)
-            sets.append(w)
-        x = rnd(1, d)
+        sets = [bk.mlp_weight_set(d, N, glu) for _ in range(bk.ncopies(0.1 * nmat * N * d * 2))]
+        x = bk.rnd(1, d)
         y = torch.empty(1, d, device="cuda", dtype=x.dtype)
         for kept in (float(k) for k in a.kept.split(",")):
             K = max(1, round(kept * N))
             idx = torch.randperm(N, device="cuda")[:K].sort().values.to(torch.int32)
             ws = torch.zeros(kernels.sparse_mlp_workspace_size(1, d, N, K, 1, act), dtype=torch.uint8, device="cuda")
-            nbytes = nmat * K * d * 2 + 4 * d + (0 if glu else 2 * K)
+            nbytes = bk.mlp_bytes(1, d, K, glu)
             for ready, slack in ((int(r), int(k)) for r in a.indices_ready.split(",")
                                  for k in a.mlp_grid_slack.split(",")):
                 prev = kernels.set_indices_ready(bool(ready))
