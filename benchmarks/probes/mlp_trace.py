@@ -30,11 +30,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LIB = ROOT / "plugins" / "build-trace" / "libdejavu_kernels.so"
-SHAPES = {  # name: d, ffn, activation
-    "OPT-13B": (5120, 20480, "relu"),
-    "LLaMA-2-7B": (4096, 11008, "silu_glu"),
-    "LLaMA-3-70B-like": (8192, 28672, "silu_glu"),
-}
+SHAPE_NAMES = ("OPT-13B", "LLaMA-2-7B", "LLaMA-3-70B-like")  # bench_kernels.SHAPES holds their dimensions
 BULK, REDUCE, QKV, ATTN_CORE, OUT_PROJ = 0, 1, 2, 3, 4  # djv_trace.cuh's kinds
 ATTN_CHAIN = [("qkv", QKV), ("attn_core", ATTN_CORE), ("out_proj", OUT_PROJ), ("reduce", REDUCE)]
 
@@ -200,7 +196,7 @@ def attn_trace(a, torch, kernels, bk, trace_calls, cbw):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lib", type=Path, default=DEFAULT_LIB, help="a -DDJV_TRACE=ON build of libdejavu_kernels")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPE_NAMES), help="comma list of " + ", ".join(SHAPE_NAMES))
     ap.add_argument("--kept", default="0.2,0.25", help="comma list of kept fractions")
     ap.add_argument("--indices-ready", default="1,0", help="comma list of 0/1 (the promise the executor makes: 1)")
     ap.add_argument("--mlp-grid-slack", default="0,2", help="comma list of grid slacks (SMs; the executor's batch-1 "
@@ -251,7 +247,7 @@ def main(argv=None) -> int:
         return 0
     out = []
     for name in a.shapes.split(","):
-        d, N, act = SHAPES[name]
+        d, N, _, _, act = bk.SHAPES[name]
         glu = act == "silu_glu"
         nmat = 3 if glu else 2
         sets = [bk.mlp_weight_set(d, N, glu) for _ in range(bk.ncopies(0.1 * nmat * N * d * 2))]
