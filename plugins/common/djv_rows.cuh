@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(256) rows_reduce_kernel(const float* __restric
     red[kl][cl] = s;
     __syncthreads();
     float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (kl == 0 && ok) {
+    if (mine) {
         t = red[0][cl];
 #pragma unroll
         for (int k = 1; k < kReduceLanes; ++k) {

@@ -215,9 +215,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, bulk_min_ctas(NB, VPT)) mlp_b
         const int s = j % p.stages;
         const float bias = (NMAT == 1 && b_up) ? to_f(b_up[rowtab[j]]) : 0.f;
         mbar_wait(&bars[s], (unsigned)(j / p.stages) & 1u);
-#ifdef DJV_TRACE
         if (j == 0) DJV_TRACE_MARK(3);
-#endif
         const T* st = ring + (size_t)s * NSEG * d;
         float dot[NMAT][NB] = {};
 #pragma unroll
