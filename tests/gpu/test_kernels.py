@@ -118,6 +118,7 @@ def test_sparse_mlp_grid_slack(B):
     with pytest.raises(ValueError):
         kernels.set_mlp_grid_slack(-1)
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("B,d,N,K", [(1, 5120, 20480, 5120), (2, 4096, 11008, 2752), (4, 1032, 3000, 2500)])
 def test_fused_mlp_partials_cost_at_most_a_rounding(B, d, N, K, dtype):
