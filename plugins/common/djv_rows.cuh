@@ -33,12 +33,10 @@ inline bool use_rows(int B) { return B <= 4; }
 // row indices were not written by the kernel just before (djv_bulk.cuh's rule). The callers decide: the QKV
 // projection under the indices-ready promise (DJV_QKV_EARLY overrides), the output projection always
 // (plan_rows_down; DJV_DOWN_EARLY=0 turns it off).
-// wait = false: no wait at the start (the caller waits later); only for a kernel launched after its x was
-// complete, i.e. two kernels after x's writer, whose kernel before lets it launch only after its own wait.
 template <typename T, int NB, int NMAT, int U = 8 / NMAT, typename RowsF, typename EpiF>
 __device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int d, float* __restrict__ part,
                                              unsigned* __restrict__ ctr, const StreamK& sk, RowsF rows, EpiF epi,
-                                             bool early = false, bool wait = true) {
+                                             bool early = false) {
     // U: independent 16-byte weight loads in flight per lane (8 by default)
     constexpr int SLOT = NMAT * NB;
     const int lane = threadIdx.x & 31;
@@ -63,7 +61,7 @@ __device__ __forceinline__ void streamk_rows(const T* __restrict__ x, int B, int
             pre = true;
         }
     }
-    if (wait) pdl_wait_primary();
+    pdl_wait_primary();
     pdl_launch_dependents();
     while (s < s_end) {
         const int item = (int)(s / sk.per_item);

@@ -8,12 +8,6 @@
 //     from the cache, so the extra "writer" CTAs that store the new K/V rows need no ordering with readers.
 //     The last split of each item merges the partial softmaxes in a fixed order.
 //  3. djv::launch_down: output projection over the selected heads' rows of w_o_t (+ b_o).
-// Q first (attn_q_first, batch <= 4): four launches, so that the attention core, which needs only q, runs
-// beside the K/V projection instead of after it. (1) qkv_rows_kernel over the Q rows; (2) attn_kernel over
-// the cached positions (< position[b]); (3) qkv_rows_kernel over the K/V rows, launched once the core has
-// waited, not waiting itself: the warp that completes a KV slot's rows writes the slot to the cache and the
-// new position's one-token split (new_token_slot), then the grid waits for the core at its end; (4) the
-// output projection merges the core's splits and the new one.
 #include <math.h>
 #include "dejavu_kernels.h"
 #include "djv_bulk.cuh"
@@ -122,79 +116,6 @@ __global__ void __launch_bounds__(kProjThreads) qkv_proj_kernel(
     }
 }
 
-// Q first's K/V kernel: what the warp completing a KV slot needs to finish the new position.
-template <typename T>
-struct NewTok {
-    const int32_t* position;
-    const T* rcos;
-    const T* rsin;
-    T* kc;
-    T* vc;
-    float* part;          // the core's split partials, psplits per (batch row, head position)
-    unsigned* slot_ctr;   // [nslots] rows of the slot done this call (re-armed by the completing warp)
-    int Tlen, rotary, psplits, nsplit;  // the new position's split is number nsplit (the last)
-    float qscale;
-};
-
-// Element e = lane + 32 i of a head row (i < E = HD / 32): its RoPE partner e +- HD/2 is entry i +- E/2.
-template <typename T, int HD>
-__device__ __forceinline__ void rope_row(float (&u)[HD / 32], const T* rc, const T* rs, int pos) {
-    constexpr int E = HD / 32, H2 = E / 2;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int i = 0; i < H2; ++i) {
-        const int e = lane + 32 * i;  // < HD / 2
-        const float c = to_f(rc[(size_t)pos * (HD / 2) + e]), sn = to_f(rs[(size_t)pos * (HD / 2) + e]);
-        const float a = u[i], b = u[i + H2];
-        u[i] = a * c - b * sn;
-        u[i + H2] = b * c + a * sn;
-    }
-}
-
-// One warp, once KV slot `slot` (KV head kv) has all its K and V rows in qkv: per batch row, the cache gets
-// K (after RoPE) and V at position[b], and every selected head reading KV head kv gets its one-token split
-// at the new position (max = its score, sum = 1, values = V), rounded as the attention core rounds them.
-template <typename T, int HD>
-__device__ void new_token_slot(const NewTok<T>& nt, const float* qkv, int R, const int32_t* __restrict__ head_idx,
-                               int Kh, int group, int Hkv, int nslots, int B, int slot, int kv) {
-    constexpr int E = HD / 32, PSTRIDE = HD + 2;
-    const int lane = threadIdx.x & 31;
-    for (int b = 0; b < B; ++b) {
-        const int pos = __ldg(nt.position + b);
-        const float* kr = qkv + (size_t)b * R + (size_t)(Kh + slot) * HD;
-        const float* vr = kr + (size_t)nslots * HD;
-        float k[E], v[E];
-#pragma unroll
-        for (int i = 0; i < E; ++i) { k[i] = __ldcg(kr + lane + 32 * i); v[i] = __ldcg(vr + lane + 32 * i); }
-        if (nt.rotary) rope_row<T, HD>(k, nt.rcos, nt.rsin, pos);
-        const size_t off = (((size_t)b * Hkv + kv) * nt.Tlen + pos) * HD;
-#pragma unroll
-        for (int i = 0; i < E; ++i) {
-            const T kt = from_f<T>(k[i]), vt = from_f<T>(v[i]);
-            nt.kc[off + lane + 32 * i] = kt;
-            nt.vc[off + lane + 32 * i] = vt;
-            k[i] = to_f(kt);
-            v[i] = to_f(vt);
-        }
-        for (int g = 0; g < Kh; ++g) {
-            if (__ldg(head_idx + g) / group != kv) continue;
-            const float* qr = qkv + (size_t)b * R + (size_t)g * HD;  // the Q kernel's, complete before this grid
-            float q[E];
-#pragma unroll
-            for (int i = 0; i < E; ++i) q[i] = __ldcg(qr + lane + 32 * i);
-            if (nt.rotary) rope_row<T, HD>(q, nt.rcos, nt.rsin, pos);
-            float sc = 0.f;
-#pragma unroll
-            for (int i = 0; i < E; ++i) sc = fmaf(q[i] * nt.qscale, k[i], sc);
-            sc = warp_sum(sc);
-            float* pz = nt.part + (((size_t)b * Kh + g) * nt.psplits + nt.nsplit) * PSTRIDE;
-            if (lane == 0) { pz[0] = sc; pz[1] = 1.f; }
-#pragma unroll
-            for (int i = 0; i < E; ++i) pz[2 + lane + 32 * i] = v[i];
-        }
-    }
-}
-
 // CTAs of kSkThreads per SM the batch <= 4 QKV kernel is built for: 3 (6 loads in flight per lane, <= 85
 // registers) rather than 2 (8 loads). More resident warps hide each warp's dot-product phase between its
 // load batches. Measured on the H200 (benchmarks/RESULTS.md): at batch 4 3 is 4.7% faster end to end
@@ -217,19 +138,15 @@ inline int qkv_early_loads() {
 }
 
 // Batch <= 4: the same rows, one warp per projection row at a time (512 contiguous bytes per load).
-// Rows item0 + [0, sk's items): all of Q, K and V, or (Q first) Q's, or K's and V's (KV: the K/V kernel).
-template <typename T, int NB, int OCC, bool KV = false>
+template <typename T, int NB, int OCC>
 __global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ head_idx, int Kh, int H, int Hkv, int hd, int kv_policy,
     int nslots, const T* __restrict__ wq, const T* __restrict__ wk, const T* __restrict__ wv,
     const T* __restrict__ bq, const T* __restrict__ bk, const T* __restrict__ bv, float* __restrict__ qkv, int R,
-    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk, int early, int item0,
-    NewTok<T> nt) {
+    float* __restrict__ part, unsigned* __restrict__ ctr, int B, int d, StreamK sk, int early) {
     // Launched early (launch_pdl): streamk_rows waits for the kernel before (x), then lets the attention
     // kernel launch and start its KV-cache reads. early: each warp's first weight loads go out before the
-    // wait (qkv_early_loads). KV: launched after the attention core has waited for the Q kernel, so x is
-    // complete; no wait at the start, one at the end (the output projection's wait then covers the core).
-    // A trace build stamps both of Q first's row kernels as kernel 2: the probe assumes one per call.
+    // wait (qkv_early_loads).
     DJV_TRACE_DECL;  // a -DDJV_TRACE build only (djv_trace.cuh): 0 start, 5 end
     DJV_TRACE_START(2);
     const int lane = threadIdx.x & 31;
@@ -247,8 +164,7 @@ __global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
         }
         return (size_t)head * hd + m % hd;
     };
-    auto rows = [&](int local, const T* (&r)[1]) {
-        const int item = item0 + local;
+    auto rows = [&](int item, const T* (&r)[1]) {
         const int which = which_of(item);
         int head;
         const size_t row = row_of(item, which, head);
@@ -256,38 +172,18 @@ __global__ void __launch_bounds__(kSkThreads, OCC) qkv_rows_kernel(
         r[0] = (which == 0 ? wq : (which == 1 ? wk : wv)) + row * d;
         return true;
     };
-    auto epi = [&](int local, const float (&v)[1][NB]) {
-        const int item = item0 + local;
+    auto epi = [&](int item, const float (&v)[1][NB]) {
         const int which = which_of(item);
         int head;
         const size_t row = row_of(item, which, head);
         const T* bias = which == 0 ? bq : (which == 1 ? bk : bv);
-        if (lane == 0) {
-            const float bb = bias ? to_f(bias[row]) : 0.f;
+        if (lane != 0) return;
+        const float bb = bias ? to_f(bias[row]) : 0.f;
 #pragma unroll
-            for (int b = 0; b < NB; ++b)
-                if (b < B) qkv[(size_t)b * R + item] = v[0][b] + bb;
-        }
-        if (KV) {  // count the row for its slot; the warp completing the slot's 2 * hd rows finishes it
-            const int slot = (item - qr - (which == 2 ? kr : 0)) / hd;
-            __threadfence();
-            __syncwarp();
-            unsigned prev = 0;
-            if (lane == 0) {
-                prev = atomicAdd(nt.slot_ctr + slot, 1u);
-                if (prev + 1 == 2u * hd) nt.slot_ctr[slot] = 0u;
-            }
-            prev = __shfl_sync(0xffffffffu, prev, 0);
-            if (prev + 1 != 2u * hd) return;
-            __threadfence();
-            const int group = H / Hkv;
-            if (hd == 64) new_token_slot<T, 64>(nt, qkv, R, head_idx, Kh, group, Hkv, nslots, B, slot, head);
-            else if (hd == 128) new_token_slot<T, 128>(nt, qkv, R, head_idx, Kh, group, Hkv, nslots, B, slot, head);
-            else new_token_slot<T, 256>(nt, qkv, R, head_idx, Kh, group, Hkv, nslots, B, slot, head);
-        }
+        for (int b = 0; b < NB; ++b)
+            if (b < B) qkv[(size_t)b * R + item] = v[0][b] + bb;
     };
-    streamk_rows<T, NB, 1, qkv_rows_u(OCC)>(x, B, d, part, ctr, sk, rows, epi, !KV && early != 0, !KV);
-    if (KV) pdl_wait_primary();  // the attention core (see above)
+    streamk_rows<T, NB, 1, qkv_rows_u(OCC)>(x, B, d, part, ctr, sk, rows, epi, early != 0);
     DJV_TRACE_END(2, 0);
 }
 
@@ -297,7 +193,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const float* __restrict__ qkv, int R, const int32_t* __restrict__ head_idx, const int32_t* __restrict__ position,
     const T* __restrict__ rcos, const T* __restrict__ rsin, T* __restrict__ kc, T* __restrict__ vc,
     float* __restrict__ part, unsigned* __restrict__ ctr, T* __restrict__ o_act, int H, int Hkv, int Kh, int Tlen,
-    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit, int merge_here, int cached_only) {
+    int rotary, float qscale, int kv_policy, int nslots, int L, int nsplit, int merge_here) {
     constexpr int TPR = HD / 8, RP = kAttnThreads / TPR, PSTRIDE = HD + 2;
     extern __shared__ float sm[];
     float* q_s = sm;                 // [GMAX][HD] (pre-scaled by scale*log2(e))
@@ -357,8 +253,7 @@ __global__ void __launch_bounds__(kAttnThreads) attn_kernel(
     const int st = s_info[0];
     if (st < 0) return;  // fewer items than Kh this step (uniform over z: the counter is never touched)
     const int G = s_info[1] - st, kv = s_info[2], slot = s_info[3];
-    // cached_only (Q first): positions < position[b]; the K/V kernel adds the new one as split nsplit - 1
-    const int t0 = z * L, t1 = min(t0 + L, cached_only ? pos : pos + 1), n = t1 - t0;
+    const int t0 = z * L, t1 = min(t0 + L, pos + 1), n = t1 - t0;
     // split z's partial of head position st + g: part[((b * Kh + st + g) * nsplit + z) * PSTRIDE] (SplitParts)
     float* mypart = part + (((size_t)b * Kh + st) * nsplit + z) * PSTRIDE;
     const size_t gstride = (size_t)nsplit * PSTRIDE;
@@ -549,20 +444,11 @@ inline bool merge_in_projection(int B, int nsplit) {
     return on && use_rows(B) && nsplit <= 32;
 }
 
-// Q first (the header's four launches): batch <= 4 where the output projection merges the splits (one more
-// split: the new position's). Off by default until measured; DJV_ATTN_QFIRST=1 turns it on, for A/B runs.
-inline bool attn_q_first(int B) {
-    static const int on = env_int("DJV_ATTN_QFIRST", 0, 1, 0);
-    return on && merge_in_projection(B, 1);
-}
-
 struct AttnPlan {
-    int nslots, R, tiles, proj_items, ksplit, L, nsplit, psplits, Mo;
-    bool q_first;
-    StreamK proj;     // batch <= 4: all QKV rows, or Q first's Q rows
-    StreamK proj_kv;  // Q first's K/V rows
-    size_t smem, off_qkv, off_pproj, off_pkv, off_pattn, off_o, off_pdown, off_xn, total;
-    int ctr_attn, ctr_down, ctr_slot, ctr_total;
+    int nslots, R, tiles, proj_items, ksplit, L, nsplit, Mo;
+    StreamK proj;  // batch <= 4
+    size_t smem, off_qkv, off_pproj, off_pattn, off_o, off_pdown, off_xn, total;
+    int ctr_attn, ctr_down, ctr_total;
 };
 
 AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int policy, size_t esize) {
@@ -571,35 +457,24 @@ AttnPlan plan_attn(int B, int d, int H, int Hkv, int hd, int Kh, int T, int poli
     p.R = (Kh + 2 * p.nslots) * hd;
     p.tiles = p.R / 16;
     p.ksplit = use_rows(B) ? 1 : tile_ksplit(p.tiles, d);
+    if (use_rows(B)) p.proj = plan_rows(p.R, d, qkv_occupancy(B) * (kSkThreads / 32));
     p.proj_items = use_rows(B) ? p.R : p.tiles;
     const int want = cdiv(kTargetCtas, Kh * B);
     int L = (int)align_up((size_t)cdiv(T, want), 32);
     L = L < 64 ? 64 : (L > 1024 ? 1024 : L);
-    p.q_first = attn_q_first(B);
-    if (p.q_first && cdiv(T, L) > 31) {  // the merge in the projection takes up to 32 splits with the new one
-        const int L2 = (int)align_up((size_t)cdiv(T, 31), 32);
-        if (L2 <= 1024) L = L2;
-        else p.q_first = false;
-    }
     p.L = L;
     p.nsplit = cdiv(T, L);  // <= kMaxSplits up to T = 2^20 (L <= 1024); checked at the entry point
-    p.psplits = p.nsplit + (p.q_first ? 1 : 0);
-    const int qr = Kh * hd, occ_w = qkv_occupancy(B) * (kSkThreads / 32);
-    if (use_rows(B)) p.proj = plan_rows(p.q_first ? qr : p.R, d, occ_w);
-    if (p.q_first) p.proj_kv = plan_rows(p.R - qr, d, occ_w);
     p.Mo = Kh * hd;
     const int RP = kAttnThreads / (hd / 8);
     p.smem = (size_t)(GMAX * hd + 2 * hd + GMAX * L + RP * GMAX * hd) * sizeof(float);
     p.ctr_attn = p.proj_items;
     p.ctr_down = p.ctr_attn + B * Kh;
-    p.ctr_slot = p.ctr_down + down_counters(d);
-    p.ctr_total = p.ctr_slot + (p.q_first ? p.nslots : 0);
+    p.ctr_total = p.ctr_down + down_counters(d);
     size_t o = kCounterBytes;
     p.off_qkv = o; o = align_up(o + (size_t)B * p.R * 4, 256);
-    p.off_pproj = o; o = align_up(o + (use_rows(B) ? rows_part_floats(p.proj, p.q_first ? qr : p.R, rows_nb(B), 1)
+    p.off_pproj = o; o = align_up(o + (use_rows(B) ? rows_part_floats(p.proj, p.R, rows_nb(B), 1)
                                                   : (p.ksplit > 1 ? (size_t)p.tiles * p.ksplit * 256 : 0)) * 4, 256);
-    p.off_pkv = o; o = align_up(o + (p.q_first ? rows_part_floats(p.proj_kv, p.R - qr, rows_nb(B), 1) : 0) * 4, 256);
-    p.off_pattn = o; o = align_up(o + (size_t)B * Kh * p.psplits * GMAX * (hd + 2) * 4, 256);
+    p.off_pattn = o; o = align_up(o + (size_t)B * Kh * p.nsplit * GMAX * (hd + 2) * 4, 256);
     p.off_o = o; o = align_up(o + (size_t)16 * p.Mo * esize, 256);
     p.off_pdown = o; o = align_up(o + down_part_floats(B, d, p.Mo, p.Mo) * 4, 256);
     p.off_xn = o; o = align_up(o + (size_t)B * d * esize, 256);  // x normalised, for a folded call
@@ -613,11 +488,10 @@ cudaError_t launch_attn_g(const AttnPlan& p, const float* qkv, const int32_t* hi
                         int Tlen, int rotary, float qscale, int policy, int merge_here, cudaStream_t st) {
     cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, HD, GM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
     if (e != cudaSuccess) return e;
-    dim3 grid(Kh + (p.q_first ? 0 : p.nslots), B, p.nsplit);  // Q first: the K/V kernel writes the cache
+    dim3 grid(Kh + p.nslots, B, p.nsplit);
     // Programmatic dependent launch: the KV-cache reads overlap the tail of the QKV projection.
     return launch_pdl(attn_kernel<T, HD, GM>, grid, dim3(kAttnThreads), p.smem, st, qkv, p.R, hidx, pos, rc, rs, kc, vc,
-                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.psplits, merge_here,
-                      p.q_first ? 1 : 0);
+                      part, ctr, o_act, H, Hkv, Kh, Tlen, rotary, qscale, policy, p.nslots, p.L, p.nsplit, merge_here);
 }
 
 template <typename T, int HD>
@@ -643,7 +517,6 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
     float* qkv = reinterpret_cast<float*>(base + p.off_qkv);
     float* pproj = reinterpret_cast<float*>(base + p.off_pproj);
     float* pattn = reinterpret_cast<float*>(base + p.off_pattn);
-    float* pkv = reinterpret_cast<float*>(base + p.off_pkv);
     T* o_act = reinterpret_cast<T*>(base + p.off_o);
     float* pdown = reinterpret_cast<float*>(base + p.off_pdown);
     cudaError_t e = cudaSuccess;
@@ -658,30 +531,29 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
         static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.ksplit)
-    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
-    const T* rct = static_cast<const T*>(rc);
-    const T* rst = static_cast<const T*>(rs);
-    T* kct = static_cast<T*>(kc);
-    T* vct = static_cast<T*>(vc);
-    const NewTok<T> nt{pos, rct, rst, kct, vct, pattn, ctr + p.ctr_slot, Tlen, rotary, p.psplits, p.nsplit, qscale};
-#define DJV_ROWS_K(NB, OCC, KV, SK, PART, CTR, EARLY, ITEM0)                                                           \
-    launch_pdl(qkv_rows_kernel<T, NB, OCC, KV>, dim3(streamk_ctas(SK)), dim3(kSkThreads), 0, st,                      \
+#define DJV_ROWS_OCC(NB, OCC)                                                                                          \
+    launch_pdl(qkv_rows_kernel<T, NB, OCC>, dim3(streamk_ctas(p.proj)), dim3(kSkThreads), 0, st,                      \
         static_cast<const T*>(x), hidx, Kh, H, Hkv, hd, policy, p.nslots, static_cast<const T*>(wq),                  \
         static_cast<const T*>(wk), static_cast<const T*>(wv), static_cast<const T*>(bq), static_cast<const T*>(bk),   \
-        static_cast<const T*>(bv), qkv, p.R, PART, CTR, B, d, SK, EARLY, ITEM0, nt)
-#define DJV_ROWS_OCC(NB, OCC) DJV_ROWS_K(NB, OCC, false, p.proj, pproj, ctr, qkv_early_loads(), 0)
+        static_cast<const T*>(bv), qkv, p.R, pproj, ctr, B, d, p.proj, qkv_early_loads())
 #define DJV_ROWS(NB) (qkv_occupancy(B) == 3 ? DJV_ROWS_OCC(NB, 3) : DJV_ROWS_OCC(NB, 2))
-#define DJV_KV_OCC(NB, OCC) DJV_ROWS_K(NB, OCC, true, p.proj_kv, pkv, ctr + Kh * hd, 0, Kh * hd)
-#define DJV_KV(NB) (qkv_occupancy(B) == 3 ? DJV_KV_OCC(NB, 3) : DJV_KV_OCC(NB, 2))
     if (!use_rows(B)) {
         if (B > 8) DJV_PROJ(2); else DJV_PROJ(1);
     } else if (rows_nb(B) == 1) e = DJV_ROWS(1);
     else if (rows_nb(B) == 2) e = DJV_ROWS(2);
     else e = DJV_ROWS(4);
+#undef DJV_PROJ
+#undef DJV_ROWS
+#undef DJV_ROWS_OCC
     if (e == cudaSuccess) e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
-    const bool merge_down = p.q_first || merge_in_projection(B, p.nsplit);
+    const float qscale = scale * 1.4426950408889634f;  // softmax in base 2
+    const bool merge_down = merge_in_projection(B, p.nsplit);
     const int mh = merge_down ? 0 : 1;
+    const T* rct = static_cast<const T*>(rc);
+    const T* rst = static_cast<const T*>(rs);
+    T* kct = static_cast<T*>(kc);
+    T* vct = static_cast<T*>(vc);
     switch (hd) {
     case 64: e = launch_attn<T, 64>(p, qkv, hidx, pos, rct, rst, kct, vct, pattn, ctr + p.ctr_attn, o_act, B, H, Hkv, Kh,
                                     Tlen, rotary, qscale, policy, mh, st); break;
@@ -691,20 +563,7 @@ int run_attn(const void* x, const int32_t* hidx, const int32_t* pos, const void*
                                      Kh, Tlen, rotary, qscale, policy, mh, st); break;
     }
     if (e != cudaSuccess) return (int)e;
-    if (p.q_first) {  // the K/V rows, beside the attention core (it has waited for the Q rows)
-        if (rows_nb(B) == 1) e = DJV_KV(1);
-        else if (rows_nb(B) == 2) e = DJV_KV(2);
-        else e = DJV_KV(4);
-        if (e == cudaSuccess) e = cudaGetLastError();
-        if (e != cudaSuccess) return (int)e;
-    }
-#undef DJV_PROJ
-#undef DJV_ROWS
-#undef DJV_ROWS_OCC
-#undef DJV_ROWS_K
-#undef DJV_KV
-#undef DJV_KV_OCC
-    const SplitParts sp{pattn, p.psplits, Kh, hd};
+    const SplitParts sp{pattn, p.nsplit, Kh, hd};
     e = launch_down<T>(o_act, p.Mo, hidx, hd, p.Mo, static_cast<const T*>(wo), static_cast<const T*>(bo),
                        static_cast<const T*>(residual), static_cast<T*>(y), pdown, ctr + p.ctr_down, B, d, st, y_stats,
                        merge_down ? &sp : nullptr);
