@@ -109,3 +109,45 @@ def test_build_then_generate_equals_sparse_reference(cli, tmp_path, monkeypatch,
     code, out, err = cli(*args)                     # re-run: every cached stage is reused
     assert code == 0, err
     assert "reused cached stages: sparsity, evaluate, export, rewrite" in out
+
+
+def _fake_tensorrt(monkeypatch):
+    """`import tensorrt` succeeds, and polygraphy's TensorRT loaders only record how they were called.
+    This checks our wiring of the .plan build; TensorRT itself cannot be installed on these machines."""
+    import sys
+    import types
+    import polygraphy.backend.trt as pg_trt
+    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
+    calls = {}
+
+    def recorder(name):
+        def make(*args, **kwargs):
+            calls[name] = (args, kwargs)
+            return lambda: calls.setdefault(name + "()", True)
+        return make
+    for name in ("NetworkFromOnnxPath", "LoadPlugins", "CreateConfig", "EngineFromNetwork", "SaveEngine"):
+        monkeypatch.setattr(pg_trt, name, recorder(name))
+    return calls
+
+
+def test_plan_build_loads_the_trt_plugin_library(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+    from dejavu_trt.build.steps import trt_plan
+    from dejavu_trt.errors import DejaVuError
+    calls = _fake_tensorrt(monkeypatch)
+    kernels = tmp_path / "libdejavu_kernels.so"
+    kernels.write_bytes(b"")
+    monkeypatch.delenv("DEJAVU_PLUGIN_LIBRARY", raising=False)
+    monkeypatch.setenv("DEJAVU_KERNELS_LIB", str(kernels))
+    onnx_file = tmp_path / "decode.sparse.onnx"
+    opts = SimpleNamespace(dtype="fp16")
+    # Only the kernels library: no plugin creators for TensorRT, so the build stops with a clear error.
+    with pytest.raises(DejaVuError, match="libdejavu_trt_plugins.so, which is not at"):
+        trt_plan(opts, onnx_file, tmp_path, say=lambda _: None)
+    plugins = tmp_path / "libdejavu_trt_plugins.so"
+    plugins.write_bytes(b"")
+    out, note = trt_plan(opts, onnx_file, tmp_path, say=lambda _: None)
+    assert calls["NetworkFromOnnxPath"][0] == (str(onnx_file),)
+    assert calls["LoadPlugins"][1]["plugins"] == [str(plugins)]
+    assert calls["CreateConfig"][1] == {"fp16": True, "bf16": False, "max_aux_streams": 2}
+    assert calls["SaveEngine"][0][1] == str(out) and calls["SaveEngine()"] and note == f"built {out.name}"

@@ -301,9 +301,22 @@ def test_plan_without_plugin_library(cli, tmp_path, tokenizer, monkeypatch):
     fake_plan.write_bytes(b"not really a plan")
     path = tmp_path / "with-plan"
     _write_package(path, "llama", tokenizer, plan_file=fake_plan)
-    monkeypatch.setenv("DEJAVU_PLUGIN_LIBRARY", str(tmp_path / "absent" / "libdejavu_kernels.so"))
+    absent = tmp_path / "absent" / "libdejavu_trt_plugins.so"
+    monkeypatch.setenv("DEJAVU_PLUGIN_LIBRARY", str(absent))
     code, _, err = cli("generate", path, "--prompt", "hi", "--plan")
-    assert code == 2 and "plugin library" in err and "libdejavu_kernels.so" in err
+    assert code == 2 and "plugin library libdejavu_trt_plugins.so" in err and str(absent) in err
+
+
+def test_plugin_library_is_the_trt_adapter_library(tmp_path, monkeypatch):
+    """TensorRT needs the library with the plugin creators; the kernels library beside it does not count."""
+    from dejavu_trt.runtime.package import plugin_library
+    kernels = tmp_path / "libdejavu_kernels.so"
+    kernels.write_bytes(b"")
+    monkeypatch.delenv("DEJAVU_PLUGIN_LIBRARY", raising=False)
+    monkeypatch.setenv("DEJAVU_KERNELS_LIB", str(kernels))
+    assert plugin_library() is None
+    (tmp_path / "libdejavu_trt_plugins.so").write_bytes(b"")
+    assert plugin_library() == tmp_path / "libdejavu_trt_plugins.so"
 
 
 def test_prompt_longer_than_context(cli, llama_pkg):

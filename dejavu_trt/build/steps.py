@@ -185,11 +185,10 @@ def trt_plan(opts, rewritten: Path | None, work: Path, say) -> tuple[Path | None
         note = "not built: there is no rewritten ONNX graph to build it from"
         say(f"[plan] {note}")
         return None, note
-    from ..runtime.package import plugin_library
+    from ..runtime.package import missing_plugin_library_message, plugin_library
     lib = plugin_library()
     if lib is None:
-        raise DejaVuError("TensorRT is installed but the plugin library libdejavu_kernels.so was not found: build it "
-                          "(python -m dejavu_trt.kernels.build) or set DEJAVU_PLUGIN_LIBRARY")
+        raise DejaVuError(missing_plugin_library_message("TensorRT is installed; building the .plan"))
     from polygraphy.backend.trt import CreateConfig, EngineFromNetwork, LoadPlugins, NetworkFromOnnxPath, SaveEngine
     out = work / PLAN_FILE
     network = LoadPlugins(plugins=[str(lib)], obj=NetworkFromOnnxPath(str(rewritten)))

@@ -1,6 +1,8 @@
 """Build libdejavu_kernels: ``python -m dejavu_trt.kernels.build [--trt-include DIR] [--jobs N]``.
 
-Runs cmake + make in plugins/build (needs nvcc >= 12 and cmake >= 3.24) and prints the library path.
+Runs cmake + make in plugins/build (needs nvcc >= 12 and cmake >= 3.24) and prints the library path. With
+``--trt-include`` the TensorRT adapters are compiled too, and linked into libdejavu_trt_plugins.so (printed
+as well) when libnvinfer is found beside those headers.
 """
 from __future__ import annotations
 
@@ -32,7 +34,14 @@ def main(argv=None) -> int:
     ap.add_argument("--trt-include", default=None, help="TensorRT include dir: also compile the adapters")
     ap.add_argument("--jobs", type=int, default=None)
     a = ap.parse_args(argv)
-    print(build(a.build_dir, a.trt_include, a.jobs))
+    lib = build(a.build_dir, a.trt_include, a.jobs)
+    print(lib)
+    plugins = lib.with_name("libdejavu_trt_plugins.so")
+    if plugins.exists():
+        print(plugins)
+    elif a.trt_include:
+        print("libdejavu_trt_plugins.so not linked: libnvinfer was not found beside the TensorRT headers",
+              file=sys.stderr)
     return 0
 
 

@@ -33,6 +33,9 @@ WEIGHTS_FORMAT = "dejavu-engine-weights-v1"
 PREDICTORS_FORMAT = "dejavu-engine-predictors-v1"
 MAX_BATCH = 16  # the op contract's batch limit (docs/ops.md)
 PLUGIN_LIBRARY_ENV = "DEJAVU_PLUGIN_LIBRARY"
+# TensorRT loads the IPluginV3 creators from this library (plugins/CMakeLists.txt builds it beside
+# libdejavu_kernels.so when TensorRT is found); the kernels library alone registers no plugin.
+TRT_PLUGIN_LIBRARY = "libdejavu_trt_plugins.so"
 
 
 @dataclass
@@ -160,14 +163,26 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 # --- loading -------------------------------------------------------------------------------------
 
-def plugin_library() -> Path | None:
-    """The kernel/plugin shared library: $DEJAVU_PLUGIN_LIBRARY, else the kernels binding's library."""
+def plugin_library_path() -> Path:
+    """Where the TensorRT plugin library is looked for: $DEJAVU_PLUGIN_LIBRARY, else libdejavu_trt_plugins.so
+    beside the kernels library ($DEJAVU_KERNELS_LIB, else plugins/build/)."""
     env = os.environ.get(PLUGIN_LIBRARY_ENV)
     if env:  # an explicit choice is never silently replaced by another copy
-        return Path(env) if Path(env).is_file() else None
-    from ..kernels import library_path  # $DEJAVU_KERNELS_LIB, else plugins/build/libdejavu_kernels.so
-    lib = library_path()
+        return Path(env)
+    from ..kernels import library_path
+    return library_path().with_name(TRT_PLUGIN_LIBRARY)
+
+
+def plugin_library() -> Path | None:
+    """The TensorRT plugin library if it exists, else None."""
+    lib = plugin_library_path()
     return lib if lib.is_file() else None
+
+
+def missing_plugin_library_message(what: str) -> str:
+    return (f"{what} needs the TensorRT plugin library {TRT_PLUGIN_LIBRARY}, which is not at "
+            f"{plugin_library_path()}: build it with TensorRT present (python -m dejavu_trt.kernels.build "
+            f"--trt-include TENSORRT_ROOT/include) or set {PLUGIN_LIBRARY_ENV}")
 
 
 def read_engine_manifest(path: str | Path, verify: bool = True) -> dict:
@@ -196,9 +211,7 @@ def load_engine_package(path: str | Path, *, require_plan: bool = False) -> Engi
             raise DejaVuError(f"{path} holds no TensorRT plan (TensorRT was not available when it was built); "
                               f"run it without --plan to use the CUDA executor")
         if plugin_library() is None:
-            raise DejaVuError(f"{path / config.plan} needs the plugin library libdejavu_kernels.so, which was not "
-                              f"found: build it (cmake -S plugins -B plugins/build && cmake --build plugins/build) "
-                              f"or set {PLUGIN_LIBRARY_ENV}")
+            raise DejaVuError(missing_plugin_library_message(str(path / config.plan)))
         try:
             import tensorrt  # noqa: F401
         except ImportError:
