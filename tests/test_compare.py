@@ -113,3 +113,42 @@ def test_polygraphy_cli_sample(opt_graphs, tmp_path):
                           "--load-outputs", str(tmp_path / "dense_outputs.json"), "--atol", "1e-4", "--rtol", "1e-5"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "FAILED" in bad.stdout + bad.stderr
+
+
+def test_compare_plan_needs_tensorrt_and_the_plugin_library(opt_graphs, tmp_path, cli, monkeypatch):
+    """A .plan endpoint states what it lacks before any work: TensorRT, then libdejavu_trt_plugins.so."""
+    import types
+    plan = tmp_path / "engine.plan"
+    code, _, err = cli("compare", opt_graphs["dense"], plan)
+    assert code == 2 and "does not exist" in err
+    plan.write_bytes(b"not really a plan")
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` fails, as on every machine here
+    code, _, err = cli("compare", opt_graphs["dense"], plan)
+    assert code == 2 and "TensorRT is not installed" in err
+    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
+    monkeypatch.setenv("DEJAVU_PLUGIN_LIBRARY", str(tmp_path / "absent.so"))
+    code, _, err = cli("compare", opt_graphs["dense"], plan)
+    assert code == 2 and "libdejavu_trt_plugins.so" in err and "absent.so" in err
+    # With both present the plan becomes polygraphy's TensorRT runner, the plugin library loaded first.
+    from polygraphy.backend.trt import TrtRunner
+    from dejavu_trt.compare.compare import make_runner, open_endpoint
+    (tmp_path / "absent.so").write_bytes(b"")
+    ep = open_endpoint(str(plan))
+    runner = make_runner(ep, None, None)
+    assert ep.is_plan and not ep.is_onnx and isinstance(runner, TrtRunner) and runner.name == "trt:engine.plan"
+    assert ep.plugin_library == tmp_path / "absent.so"
+
+
+def test_trt_plan_matches_onnxruntime(opt_graphs, tmp_path, cli):
+    """The all-active rewrite built into a TensorRT plan with the plugin library, against ONNX Runtime."""
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed (it cannot be installed on this project's "
+                                           "machines), so no .plan can be built or run")
+    from types import SimpleNamespace
+    from dejavu_trt.build.steps import trt_plan
+    from dejavu_trt.runtime.package import plugin_library
+    if plugin_library() is None:
+        pytest.skip("libdejavu_trt_plugins.so is not built (python -m dejavu_trt.kernels.build --trt-include ...)")
+    plan, _ = trt_plan(SimpleNamespace(dtype="fp32"), opt_graphs["all_active"], tmp_path, say=lambda _: None)
+    code, out, err = cli("compare", opt_graphs["dense"], plan, "--json", "--steps", "4", "--rtol", "1e-3")
+    assert code == 0, err
+    assert json.loads(out)["outputs"]["logits"]["rel_to_range"] < 1e-3

@@ -50,8 +50,10 @@ def rewrite_cmd(
 
 @app.command("compare")
 def compare_cmd(
-    a: str = typer.Argument(..., help="Reference: an ONNX decode graph, `torch` or `torch-sparse`."),
-    b: str = typer.Argument(..., help="Compared: an ONNX decode graph, `torch` or `torch-sparse`."),
+    a: str = typer.Argument(..., help="Reference: an ONNX decode graph, a TensorRT .plan (needs TensorRT), `torch` "
+                            "or `torch-sparse`. A or B must be an ONNX graph."),
+    b: str = typer.Argument(..., help="Compared: an ONNX decode graph, a TensorRT .plan (needs TensorRT), `torch` "
+                            "or `torch-sparse`."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Predictors/sparsity for torch-sparse (default: "
                                            "those recorded in the rewritten graph)."),

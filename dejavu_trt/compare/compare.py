@@ -1,9 +1,12 @@
 """`compare(a, b)`: two decode-step executors on the same inputs, with polygraphy.
 
 An endpoint is an ONNX file (run with ONNX Runtime on CPU through polygraphy's `OnnxrtRunner`),
-`torch` (the canonical PyTorch decode module, dense) or `torch-sparse` (the same module with the
-lookahead predictors and the sparse reference ops; its plan — predictors, kept counts, KV policy —
-is read from the rewritten graph's metadata, or from --workdir and the fractions).
+a TensorRT `.plan` built from a rewritten graph (polygraphy's `TrtRunner`, with the plugin library
+loaded; needs TensorRT, which cannot be installed on this project's machines), `torch` (the canonical
+PyTorch decode module, dense) or `torch-sparse` (the same module with the lookahead predictors and the
+sparse reference ops; its plan — predictors, kept counts, KV policy — is read from the rewritten
+graph's metadata, or from --workdir and the fractions). One side must be an ONNX graph: it fixes the
+model and the shapes.
 
 1. A decodes `steps` tokens of held-out text with its own caches; each step's feed (token,
    position, caches) is recorded. That list is polygraphy's data loader: B receives exactly A's
@@ -35,6 +38,7 @@ from .runners import TorchDecodeRunner
 log = logging.getLogger(__name__)
 
 TORCH_ENDPOINTS = ("torch", "torch-sparse")
+PLAN_SUFFIX = ".plan"
 DEFAULT_RTOL = 1e-5
 
 
@@ -43,15 +47,41 @@ class Endpoint:
     spec: str
     path: Path | None = None
     meta: dict = field(default_factory=dict)
+    plugin_library: Path | None = None  # a .plan's TensorRT plugin library
+
+    @property
+    def is_plan(self) -> bool:
+        return self.path is not None and self.path.suffix == PLAN_SUFFIX
 
     @property
     def is_onnx(self) -> bool:
-        return self.path is not None
+        return self.path is not None and not self.is_plan
+
+
+def open_plan(spec: str) -> Endpoint:
+    """A TensorRT plan: check everything running it needs before any work starts."""
+    from ..runtime.package import missing_plugin_library_message, plugin_library
+
+    path = Path(spec)
+    if not path.is_file():
+        raise DejaVuError(f"{path} does not exist")
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        raise DejaVuError(f"{path} is a TensorRT plan, and TensorRT is not installed here (`import tensorrt` "
+                          f"fails); compare the rewritten ONNX graph instead: ONNX Runtime runs its plugin nodes "
+                          f"through their local functions") from None
+    lib = plugin_library()
+    if lib is None:
+        raise DejaVuError(missing_plugin_library_message(str(path)))
+    return Endpoint(spec, path, plugin_library=lib)
 
 
 def open_endpoint(spec: str) -> Endpoint:
     if spec in TORCH_ENDPOINTS:
         return Endpoint(spec)
+    if spec.endswith(PLAN_SUFFIX):
+        return open_plan(spec)
     from ..rewrite.rewrite import graph_metadata, load_onnx
 
     path = Path(spec)
@@ -108,6 +138,12 @@ def _plan_from(endpoints: list[Endpoint], cfg: DecodeConfig, workdir, sparsity, 
 
 
 def make_runner(ep: Endpoint, model: DecodeModel | None, plan: SparsePlan | None):
+    if ep.is_plan:
+        from polygraphy.backend.common import BytesFromPath
+        from polygraphy.backend.trt import EngineFromBytes, LoadPlugins, TrtRunner
+        # The plugin creators must be registered before the engine is deserialised.
+        engine = EngineFromBytes(LoadPlugins(plugins=[str(ep.plugin_library)], obj=BytesFromPath(str(ep.path))))
+        return TrtRunner(engine, name=f"trt:{ep.path.name}")
     if ep.is_onnx:
         from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
         return OnnxrtRunner(SessionFromOnnx(str(ep.path), providers=["CPUExecutionProvider"]),
@@ -177,7 +213,7 @@ def _compare(a, b, *, workdir, text, steps, batch, rtol, outputs, sparsity, head
     steps = min(steps, cfg.max_context - 1)
     lm = model if model is not None else load_model(model_name)
     dm = DecodeModel.from_adapter(lm.adapter, cfg.max_context, cfg.num_layers) \
-        if any(not e.is_onnx for e in eps) else None
+        if any(e.spec in TORCH_ENDPOINTS for e in eps) else None
     plan = _plan_from(eps, cfg, workdir, sparsity, head_sparsity, kv_policy) if "torch-sparse" in (a, b) else None
     tokens = eval_tokens(lm.tokenizer, text, batch, steps + 1)
 
