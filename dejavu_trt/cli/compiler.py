@@ -57,7 +57,7 @@ def compare_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Predictors/sparsity for torch-sparse (default: "
                                            "those recorded in the rewritten graph)."),
-    text: Optional[str] = typer.Option(None, "--text", help="Text file to decode; default: SOTU test windows."),
+    text: Optional[str] = typer.Option(None, "--text", help="Text file to decode; default: the newest SOTU address."),
     steps: int = typer.Option(16, "--steps", help="Decode steps (tokens per row)."),
     batch: int = typer.Option(1, "--batch", help="Rows decoded together."),
     rtol: float = typer.Option(1e-5, "--rtol", help="Tolerance, relative to each output's range (and element-wise)."),

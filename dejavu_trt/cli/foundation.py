@@ -35,8 +35,8 @@ def calibrate_cmd(
 @app.command("train-predictors")
 def train_predictors_cmd(
     workdir: Path = typer.Argument(..., help="Work dir written by `dejavu-trt calibrate`."),
-    rank_mlp: int = typer.Option(None, "--rank-mlp", help="Rank of each layer's MLP-unit predictor [default: 64]; more rank, more recall and bytes."),
-    rank_heads: int = typer.Option(None, "--rank-heads", help="Rank of each layer's head predictor [default: 16, at most the head count]."),
+    rank_mlp: int = typer.Option(None, "--rank-mlp", help="Rank of each layer's MLP-unit predictor (default 64); more rank, more recall and bytes."),
+    rank_heads: int = typer.Option(None, "--rank-heads", help="Rank of each layer's head predictor (default 16, at most the head count)."),
     epochs: int = typer.Option(None, "--epochs", help="Max fine-tuning epochs (early-stopped on validation "
                                                      "recall; default 0 = closed-form fit only, the ridge strength chosen by validation recall)."),
     json_out: bool = typer.Option(False, "--json", help="Print the training report as JSON."),

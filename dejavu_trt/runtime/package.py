@@ -5,7 +5,7 @@
       weights.safetensors    decoder weights in the op contract's layouts (MLP neuron-major)
       predictors.safetensors lookahead predictors: layers.{l}.mlp_a/mlp_b/head_a/head_b
       tokenizer/             the HF tokenizer files
-      NAME.plan              TensorRT plan (only where TensorRT was importable at build time)
+      engine.plan            TensorRT plan (only where TensorRT was importable at build time)
 
 Loading refuses, with one line that says what to do: a missing folder, a corrupt or foreign
 manifest, a checksum mismatch, an op-contract version other than this tool's, or a requested .plan

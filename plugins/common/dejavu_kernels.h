@@ -100,7 +100,7 @@ DJV_API int djv_sparse_mlp(const void* x, const int32_t* idx, const void* w_gate
  * (each may be NULL = zero), rope_cos/rope_sin [T,hd/2] (used when rotary != 0),
  * k_cache/v_cache [B,Hkv,T,hd] updated in place at slot position[b], residual [B,d] (may be NULL; may be
  * y) -> y [B,d] = residual + attention output (fp32 sum, rounded once).
- * Limits: 1 <= B <= 16, d % 8 == 0, hd % 16 == 0 and hd <= 256, H % Hkv == 0. */
+ * Limits: 1 <= B <= 16, d % 8 == 0, hd in {64, 128, 256}, H % Hkv == 0. */
 DJV_API size_t djv_head_attention_workspace_size(int B, int d, int H, int Hkv, int hd, int Kh, int T, int kv_policy);
 DJV_API int djv_head_sparse_attention(const void* x, const int32_t* head_idx, const int32_t* position,
                                       const void* w_q, const void* w_k, const void* w_v, const void* w_o_t,
