@@ -126,17 +126,18 @@ def test_compare_plan_needs_tensorrt_and_the_plugin_library(opt_graphs, tmp_path
     code, _, err = cli("compare", opt_graphs["dense"], plan)
     assert code == 2 and "TensorRT is not installed" in err
     monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
-    monkeypatch.setenv("DEJAVU_PLUGIN_LIBRARY", str(tmp_path / "absent.so"))
+    library = tmp_path / "plugins.so"  # not built yet
+    monkeypatch.setenv("DEJAVU_PLUGIN_LIBRARY", str(library))
     code, _, err = cli("compare", opt_graphs["dense"], plan)
-    assert code == 2 and "libdejavu_trt_plugins.so" in err and "absent.so" in err
+    assert code == 2 and "libdejavu_trt_plugins.so" in err and "plugins.so" in err
     # With both present the plan becomes polygraphy's TensorRT runner, the plugin library loaded first.
     from polygraphy.backend.trt import TrtRunner
     from dejavu_trt.compare.compare import make_runner, open_endpoint
-    (tmp_path / "absent.so").write_bytes(b"")
+    library.write_bytes(b"")
     ep = open_endpoint(str(plan))
     runner = make_runner(ep, None, None)
     assert ep.is_plan and not ep.is_onnx and isinstance(runner, TrtRunner) and runner.name == "trt:engine.plan"
-    assert ep.plugin_library == tmp_path / "absent.so"
+    assert ep.plugin_library == library
 
 
 def test_trt_plan_matches_onnxruntime(opt_graphs, tmp_path, cli):

@@ -73,6 +73,9 @@ __all__ = [
 
 _REPO = Path(__file__).resolve().parents[2]
 _DEFAULT_LIB = _REPO / "plugins" / "build" / "libdejavu_kernels.so"
+# What TensorRT loads: the IPluginV3 creators, built beside the kernels library when TensorRT is found
+# (plugins/CMakeLists.txt); the kernels library alone registers no plugin.
+TRT_PLUGIN_LIBRARY = "libdejavu_trt_plugins.so"
 _ACT = {"relu": 0, "gelu": 1, "silu_glu": 2}
 _POLICY = {"dense": 0, "active": 1}
 _NORM = {"layernorm": 0, "rmsnorm": 1}

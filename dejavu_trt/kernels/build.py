@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import TRT_PLUGIN_LIBRARY
+
 PLUGINS = Path(__file__).resolve().parents[2] / "plugins"
 
 
@@ -36,11 +38,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     lib = build(a.build_dir, a.trt_include, a.jobs)
     print(lib)
-    plugins = lib.with_name("libdejavu_trt_plugins.so")
+    plugins = lib.with_name(TRT_PLUGIN_LIBRARY)
     if plugins.exists():
         print(plugins)
     elif a.trt_include:
-        print("libdejavu_trt_plugins.so not linked: libnvinfer was not found beside the TensorRT headers",
+        print(f"{TRT_PLUGIN_LIBRARY} not linked: libnvinfer was not found beside the TensorRT headers",
               file=sys.stderr)
     return 0
 

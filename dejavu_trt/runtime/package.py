@@ -23,6 +23,7 @@ import torch
 from ..artifacts import load_safetensors, read_manifest, save_safetensors, write_manifest
 from ..errors import ArtifactError, DejaVuError
 from ..models.adapters import FamilyAdapter, ModelDims
+from ..kernels import TRT_PLUGIN_LIBRARY
 from ..ops import OP_CONTRACT_VERSION
 
 ENGINE_KIND = "engine"
@@ -33,9 +34,6 @@ WEIGHTS_FORMAT = "dejavu-engine-weights-v1"
 PREDICTORS_FORMAT = "dejavu-engine-predictors-v1"
 MAX_BATCH = 16  # the op contract's batch limit (docs/ops.md)
 PLUGIN_LIBRARY_ENV = "DEJAVU_PLUGIN_LIBRARY"
-# TensorRT loads the IPluginV3 creators from this library (plugins/CMakeLists.txt builds it beside
-# libdejavu_kernels.so when TensorRT is found); the kernels library alone registers no plugin.
-TRT_PLUGIN_LIBRARY = "libdejavu_trt_plugins.so"
 
 
 @dataclass
