@@ -6,9 +6,12 @@ The end-to-end test reuses the session's calibrated SmolLM2 work dir (`--workdir
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+
+from test_rewrite import exports  # noqa: F401  (the tiny OPT export, rewritten)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -111,43 +114,105 @@ def test_build_then_generate_equals_sparse_reference(cli, tmp_path, monkeypatch,
     assert "reused cached stages: sparsity, evaluate, export, rewrite" in out
 
 
-def _fake_tensorrt(monkeypatch):
-    """`import tensorrt` succeeds, and polygraphy's TensorRT loaders only record how they were called.
-    This checks our wiring of the .plan build; TensorRT itself cannot be installed on these machines."""
+def _fake_tensorrt(monkeypatch, registered_namespace):
+    """`import tensorrt` succeeds, its plugin registry holds our creators under `registered_namespace`
+    (None: not at all), and polygraphy's TensorRT loaders only record how they were called. This checks our
+    wiring of the .plan build; TensorRT itself cannot be installed on these machines."""
     import sys
     import types
     import polygraphy.backend.trt as pg_trt
-    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
+    from dejavu_trt.ops.contract import OP_CONTRACT_VERSION, OP_NAMES
+
+    import importlib.machinery
+    trt = types.ModuleType("tensorrt")
+    trt.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)   # torch's import probes ask for one
+    creators = [] if registered_namespace is None else [
+        types.SimpleNamespace(name=op, plugin_version=OP_CONTRACT_VERSION, plugin_namespace=registered_namespace)
+        for op in OP_NAMES]
+
+    class Registry:
+        all_creators = creators
+
+        def get_creator(self, name, version, ns):
+            return next((c for c in creators if (c.name, c.plugin_version, c.plugin_namespace) == (name, version, ns)),
+                        None)
+    trt.get_plugin_registry = Registry
+    trt.LayerType = types.SimpleNamespace(PLUGIN_V3="plugin_v3", MATRIX_MULTIPLY="matmul")
+    trt.PreviewFeature = types.SimpleNamespace(ALIASED_PLUGIN_IO_10_03="aliased_plugin_io")
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
     calls = {}
 
     def recorder(name):
         def make(*args, **kwargs):
             calls[name] = (args, kwargs)
-            return lambda: calls.setdefault(name + "()", True)
+
+            def call():
+                calls[name + "()"] = True
+                if name == "SaveEngine":
+                    Path(args[1]).write_bytes(b"plan")
+            return call
         return make
-    for name in ("NetworkFromOnnxPath", "LoadPlugins", "CreateConfig", "EngineFromNetwork", "SaveEngine"):
+    for name in ("NetworkFromOnnxPath", "LoadPlugins", "CreateConfig", "EngineFromNetwork", "SaveEngine",
+                 "PostprocessNetwork"):
         monkeypatch.setattr(pg_trt, name, recorder(name))
-    return calls
+    return trt, calls
 
 
-def test_plan_build_loads_the_trt_plugin_library(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-    from dejavu_trt.build.steps import trt_plan
-    from dejavu_trt.errors import DejaVuError
-    calls = _fake_tensorrt(monkeypatch)
+def _plugin_libraries(tmp_path, monkeypatch):
     kernels = tmp_path / "libdejavu_kernels.so"
     kernels.write_bytes(b"")
     monkeypatch.delenv("DEJAVU_PLUGIN_LIBRARY", raising=False)
     monkeypatch.setenv("DEJAVU_KERNELS_LIB", str(kernels))
-    onnx_file = tmp_path / "decode.sparse.onnx"
+    return tmp_path / "libdejavu_trt_plugins.so"
+
+
+def test_plan_build_needs_the_trt_plugin_library_and_its_creators(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+    from dejavu_trt.build.steps import trt_plan
+    from dejavu_trt.errors import DejaVuError
+    _fake_tensorrt(monkeypatch, registered_namespace=None)
+    plugins = _plugin_libraries(tmp_path, monkeypatch)
     opts = SimpleNamespace(dtype="fp16")
     # Only the kernels library: no plugin creators for TensorRT, so the build stops with a clear error.
     with pytest.raises(DejaVuError, match="libdejavu_trt_plugins.so, which is not at"):
-        trt_plan(opts, onnx_file, tmp_path, say=lambda _: None)
-    plugins = tmp_path / "libdejavu_trt_plugins.so"
+        trt_plan(opts, tmp_path / "decode.sparse.onnx", tmp_path, say=lambda _: None)
     plugins.write_bytes(b"")
-    out, note = trt_plan(opts, onnx_file, tmp_path, say=lambda _: None)
-    assert calls["NetworkFromOnnxPath"][0] == (str(onnx_file),)
-    assert calls["LoadPlugins"][1]["plugins"] == [str(plugins)]
-    assert calls["CreateConfig"][1] == {"fp16": True, "bf16": False, "max_aux_streams": 2}
-    assert calls["SaveEngine"][0][1] == str(out) and calls["SaveEngine()"] and note == f"built {out.name}"
+    # The library loads but registers nothing the graph names.
+    with pytest.raises(DejaVuError, match="registry lacks DejaVuLookaheadPredictor, DejaVuSparseMLP"):
+        trt_plan(opts, tmp_path / "decode.sparse.onnx", tmp_path, say=lambda _: None)
+
+
+@pytest.mark.parametrize("namespace", ["dejavu_trt", ""])
+def test_plan_build_wiring(exports, tmp_path, monkeypatch, namespace):
+    import onnx
+    from types import SimpleNamespace
+    from dejavu_trt.build.steps import trt_plan
+    from dejavu_trt.errors import DejaVuError
+    from dejavu_trt.ops.contract import PLUGIN_NAMESPACE
+    from dejavu_trt.rewrite.plan_graph import PLAN_GRAPH_FILE
+    sparse = exports.rewritten("opt", 0.5, 0.67)
+    trt, calls = _fake_tensorrt(monkeypatch, registered_namespace=namespace)
+    plugins = _plugin_libraries(tmp_path, monkeypatch)
+    plugins.write_bytes(b"")
+    out, note = trt_plan(SimpleNamespace(dtype="fp16"), sparse, tmp_path, say=lambda _: None)
+    assert calls["LoadPlugins"][1]["plugins"] == [str(plugins)] and calls["LoadPlugins()"]
+    # built from the typed copy, strongly typed, with the nodes naming the namespace the registry holds
+    typed = tmp_path / PLAN_GRAPH_FILE
+    assert calls["NetworkFromOnnxPath"] == ((str(typed),), {"strongly_typed": True})
+    g = onnx.load(str(typed)).graph
+    assert {i.name: i.type.tensor_type.elem_type for i in g.input}["past_key.0"] == onnx.TensorProto.FLOAT16
+    nodes = [n for n in g.node if n.domain == PLUGIN_NAMESPACE]
+    assert {a.s.decode() for n in nodes for a in n.attribute if a.name == "plugin_namespace"} == {namespace}
+    # no fp16/bf16 builder flag (TensorRT 11 is strongly typed); aliased plugin I/O for the in-place caches
+    assert calls["CreateConfig"][1] == {"max_aux_streams": 2, "preview_features": ["aliased_plugin_io"]}
+    assert out.read_bytes() == b"plan" and calls["SaveEngine()"] and note == f"built {out.name}"
+    assert not list(tmp_path.glob(".*.tmp"))   # atomic writes left nothing behind
+    # the parser check: every plugin node must be a plugin layer, not its expanded local function
+    check = calls["PostprocessNetwork"][1]["func"]
+
+    def network(n_plugin):
+        layers = [SimpleNamespace(type=trt.LayerType.PLUGIN_V3)] * n_plugin + [SimpleNamespace(type="matmul")] * 5
+        return SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
+    check(network(len(nodes)))
+    with pytest.raises(DejaVuError, match=f"made {len(nodes) - 1} plugin layers of the graph's {len(nodes)}"):
+        check(network(len(nodes) - 1))

@@ -189,11 +189,8 @@ def trt_plan(opts, rewritten: Path | None, work: Path, say) -> tuple[Path | None
     lib = plugin_library()
     if lib is None:
         raise DejaVuError(missing_plugin_library_message("TensorRT is installed; building the .plan"))
-    from polygraphy.backend.trt import CreateConfig, EngineFromNetwork, LoadPlugins, NetworkFromOnnxPath, SaveEngine
-    out = work / PLAN_FILE
-    network = LoadPlugins(plugins=[str(lib)], obj=NetworkFromOnnxPath(str(rewritten)))
-    config = CreateConfig(fp16=opts.dtype == "fp16", bf16=opts.dtype == "bf16", max_aux_streams=2)
-    SaveEngine(EngineFromNetwork(network, config=config), str(out))()
+    from .trt_engine import build_plan
+    out = build_plan(rewritten, work / PLAN_FILE, dtype=opts.dtype, library=lib, work=work)
     return out, f"built {out.name}"
 
 

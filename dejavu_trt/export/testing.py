@@ -28,11 +28,16 @@ def stand_in_predictors(dims, path: str | Path, rank: int = 8, seed: int = 0, bl
     return path
 
 
+_NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
 def ort_decode(session, cfg: DecodeConfig, tokens: torch.Tensor) -> list[np.ndarray]:
     """Teacher-forced decode of tokens [B, S] through an onnxruntime session: logits per step."""
     names = io_names(cfg.num_layers)
     B = tokens.shape[0]
-    caches = {n: np.zeros(cfg.cache_shape(B), np.float32) for n in names["inputs"][2:]}
+    # caches in whatever type the graph declares (float32; fp16 in the plan-build copy)
+    types = {i.name: i.type for i in session.get_inputs()}
+    caches = {n: np.zeros(cfg.cache_shape(B), _NP_TYPES[types[n]]) for n in names["inputs"][2:]}
     logits = []
     for t in range(tokens.shape[1]):
         out = session.run(None, {"input_ids": tokens[:, t].numpy().astype(np.int64),
