@@ -130,13 +130,16 @@ def test_compare_plan_needs_tensorrt_and_the_plugin_library(opt_graphs, tmp_path
     monkeypatch.setenv("DEJAVU_PLUGIN_LIBRARY", str(library))
     code, _, err = cli("compare", opt_graphs["dense"], plan)
     assert code == 2 and "libdejavu_trt_plugins.so" in err and "plugins.so" in err
-    # With both present the plan becomes polygraphy's TensorRT runner, the plugin library loaded first.
+    # With both present the plan becomes polygraphy's TensorRT runner, the plugin library loaded first, seen
+    # with float32 I/O (the plan's caches are fp16/bf16).
     from polygraphy.backend.trt import TrtRunner
     from dejavu_trt.compare.compare import make_runner, open_endpoint
+    from dejavu_trt.compare.runners import Float32IORunner
     library.write_bytes(b"")
     ep = open_endpoint(str(plan))
     runner = make_runner(ep, None, None)
-    assert ep.is_plan and not ep.is_onnx and isinstance(runner, TrtRunner) and runner.name == "trt:engine.plan"
+    assert ep.is_plan and not ep.is_onnx and isinstance(runner, Float32IORunner)
+    assert isinstance(runner.inner, TrtRunner) and runner.name == "trt:engine.plan"
     assert ep.plugin_library == library
 
 
@@ -149,7 +152,24 @@ def test_trt_plan_matches_onnxruntime(opt_graphs, tmp_path, cli):
     from dejavu_trt.runtime.package import plugin_library
     if plugin_library() is None:
         pytest.skip("libdejavu_trt_plugins.so is not built (python -m dejavu_trt.kernels.build --trt-include ...)")
-    plan, _ = trt_plan(SimpleNamespace(dtype="fp32"), opt_graphs["all_active"], tmp_path, say=lambda _: None)
-    code, out, err = cli("compare", opt_graphs["dense"], plan, "--json", "--steps", "4", "--rtol", "1e-3")
+    plan, _ = trt_plan(SimpleNamespace(dtype="fp16"), opt_graphs["all_active"], tmp_path, say=lambda _: None)
+    code, out, err = cli("compare", opt_graphs["dense"], plan, "--json", "--steps", "4", "--rtol", "2e-2")
     assert code == 0, err
-    assert json.loads(out)["outputs"]["logits"]["rel_to_range"] < 1e-3
+    assert json.loads(out)["outputs"]["logits"]["rel_to_range"] < 2e-2
+
+
+def test_compare_runs_the_plans_fp16_onnx_copy(opt_graphs, tmp_path, cli):
+    """The graph a .plan is built from (fp16 caches in and out) compares against the float32 graph: its
+    runner is seen with float32 I/O, and what differs is the fp16 rounding."""
+    import onnx
+    from dejavu_trt.rewrite.plan_graph import typed_plan_graph
+    typed = tmp_path / "decode.plan.onnx"
+    onnx.save(typed_plan_graph(onnx.load(str(opt_graphs["all_active"])), "fp16"), str(typed))
+    args = ("compare", opt_graphs["dense"], typed, "--json", "--steps", "6", "--batch", "2")
+    code, out, err = cli(*args, "--rtol", "2e-2")
+    assert code == 0, err
+    r = json.loads(out)
+    assert 1e-6 < r["outputs"]["logits"]["rel_to_range"] < 2e-2 and abs(r["ppl_delta"]) < 1e-2
+    assert r["outputs"]["present_key.0"]["passed"]
+    code, out, _ = cli(*args, "--rtol", "1e-6")     # the rounding is real: a float32 tolerance fails
+    assert code == 1 and not json.loads(out)["passed"]

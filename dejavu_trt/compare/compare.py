@@ -33,7 +33,7 @@ import torch
 from ..errors import DejaVuError
 from ..export.config import DecodeConfig, io_names
 from ..export.module import DecodeModel, SparsePlan
-from .runners import TorchDecodeRunner
+from .runners import Float32IORunner, TorchDecodeRunner
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +143,12 @@ def make_runner(ep: Endpoint, model: DecodeModel | None, plan: SparsePlan | None
         from polygraphy.backend.trt import EngineFromBytes, LoadPlugins, TrtRunner
         # The plugin creators must be registered before the engine is deserialised.
         engine = EngineFromBytes(LoadPlugins(plugins=[str(ep.plugin_library)], obj=BytesFromPath(str(ep.path))))
-        return TrtRunner(engine, name=f"trt:{ep.path.name}")
+        return Float32IORunner(TrtRunner(engine, name=f"trt:{ep.path.name}"))
     if ep.is_onnx:
         from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-        return OnnxrtRunner(SessionFromOnnx(str(ep.path), providers=["CPUExecutionProvider"]),
-                            name=f"onnxrt:{ep.path.name}")
+        # float32 I/O also for the .plan's typed ONNX copy, whose caches are fp16
+        return Float32IORunner(OnnxrtRunner(SessionFromOnnx(str(ep.path), providers=["CPUExecutionProvider"]),
+                                            name=f"onnxrt:{ep.path.name}"))
     return TorchDecodeRunner(model, plan if ep.spec == "torch-sparse" else None, name=ep.spec)
 
 

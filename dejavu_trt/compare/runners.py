@@ -83,3 +83,56 @@ class TorchDecodeRunner(DecodeStepRunner):
             outs = [logits, *[t for kv in zip(cache.keys, cache.values) for t in kv]]
             return {n: t.numpy() for n, t in zip(names["outputs"], outs)}
         return step
+
+
+class Float32IORunner(BaseRunner):
+    """Another runner seen with float32 I/O.
+
+    The `.plan` and its ONNX copy (rewrite/plan_graph.py) take and return their KV caches in fp16 or bf16.
+    Wrapped, they accept the float32 feeds every other endpoint uses (cast on the way in) and return float32
+    outputs, so one trajectory's feeds drive both sides of a comparison. The rounding of the caches to the
+    build dtype is part of what the comparison measures.
+    """
+
+    def __init__(self, inner: BaseRunner, name: str | None = None):
+        super().__init__(name=name or inner.name, prefix="float32-io")
+        self.inner = inner
+
+    def activate_impl(self):
+        self.inner.activate()
+
+    def deactivate_impl(self):
+        self.inner.deactivate()
+
+    def get_input_metadata_impl(self):
+        meta = TensorMetadata()
+        for name, (dtype, shape) in self.inner.get_input_metadata().items():
+            meta.add(name, np.float32 if _is_float(dtype) else dtype, shape)
+        return meta
+
+    def infer_impl(self, feed_dict):
+        want = self.inner.get_input_metadata()
+        feed = OrderedDict((n, _cast_to(v, want[n].dtype) if n in want else v) for n, v in feed_dict.items())
+        out = self.inner.infer(feed)
+        self.inference_time = self.inner.last_inference_time()
+        return OrderedDict((n, _to_float32(v)) for n, v in out.items())
+
+
+def _is_float(dtype) -> bool:
+    from polygraphy.datatype import DataType
+    return DataType.from_dtype(dtype) in (DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT32)
+
+
+def _cast_to(value, dtype):
+    from polygraphy.datatype import DataType
+    dt = DataType.from_dtype(dtype)
+    if dt == DataType.BFLOAT16:          # numpy has no bfloat16; polygraphy's TrtRunner takes torch tensors
+        return torch.from_numpy(np.asarray(value, np.float32)).to(torch.bfloat16)
+    return np.asarray(value).astype(DataType.to_dtype(dt, "numpy"), copy=False)
+
+
+def _to_float32(value):
+    if isinstance(value, torch.Tensor):
+        return value.float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy()
+    a = np.asarray(value)
+    return a.astype(np.float32) if a.dtype.kind == "f" else a
