@@ -20,16 +20,20 @@ std::vector<PluginField>& LookaheadPredictorPlugin::fieldNames() {
 
 IPluginV3* LookaheadPredictorPlugin::create(char const*, PluginFieldCollection const* fc) {
     int32_t k = 0, kh = 0;
-    float eps = 1e-6f;
+    float eps = 0.f;
     if (!Fields::getInt(fc, "kept_units", k) || !Fields::getInt(fc, "kept_heads", kh) ||
         !Fields::getFloat(fc, "eps", eps))
         return nullptr;
-    return new LookaheadPredictorPlugin(k, kh, eps);
+    auto p = std::make_unique<LookaheadPredictorPlugin>(k, kh, eps);
+    if (!p->readWorkspace(fc)) return nullptr;
+    return p.release();
 }
 
 IPluginV3* LookaheadPredictorPlugin::clone() noexcept {
     try {
-        return new LookaheadPredictorPlugin(mKeptUnits, mKeptHeads, mEps);
+        auto* p = new LookaheadPredictorPlugin(mKeptUnits, mKeptHeads, mEps);
+        if (mWorkspaceBytes > 0) p->setWorkspace(mWorkspaceBytes);
+        return p;
     } catch (...) {
         return nullptr;
     }
@@ -60,6 +64,18 @@ bool LookaheadPredictorPlugin::supportsFormatCombination(int32_t pos, DynamicPlu
     return linearIs(d, io[0].desc.type);
 }
 
+int32_t LookaheadPredictorPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbIn,
+                                                  DynamicPluginTensorDesc const* out, int32_t nbOut) noexcept {
+    // h [B, d], mlp_a [d, r_m], mlp_b [r_m, Nb >= kept_units], head_a [d, r_h], head_b [r_h, H >= kept_heads]
+    if (nbIn != 5 || nbOut != 2 || in[0].desc.dims.nbDims != 2) return -1;
+    const int64_t d = in[0].max.d[1];
+    if (!dimsAre(in[1], {d, -1}) || !dimsAre(in[2], {in[1].max.d[1], -1}) || !dimsAre(in[3], {d, -1}) ||
+        !dimsAre(in[4], {in[3].max.d[1], -1}) || in[2].max.d[1] < mKeptUnits || in[4].max.d[1] < mKeptHeads)
+        return -1;
+    setWorkspace((int64_t)getWorkspaceSize(in, nbIn, out, nbOut));
+    return 0;
+}
+
 size_t LookaheadPredictorPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t,
                                                   DynamicPluginTensorDesc const*, int32_t) const noexcept {
     // inputs: h [B,d], mlp_a [d,r_m], mlp_b [r_m,Nb], head_a [d,r_h], head_b [r_h,H]
@@ -72,7 +88,7 @@ int32_t LookaheadPredictorPlugin::enqueue(PluginTensorDesc const* in, PluginTens
     const int32_t B = (int32_t)in[0].dims.d[0], d = (int32_t)in[0].dims.d[1];
     const int32_t rm = (int32_t)in[1].dims.d[1], nb = (int32_t)in[2].dims.d[1];
     const int32_t rh = (int32_t)in[3].dims.d[1], H = (int32_t)in[4].dims.d[1];
-    const size_t bytes = djv_predictor_workspace_size(B, d, rm, nb, rh, H);
+    const size_t bytes = workspaceFor(djv_predictor_workspace_size(B, d, rm, nb, rh, H));
     if (prepare(ws, bytes, stream)) return -1;
     const int st = djv_lookahead_predictor(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4],
                                            static_cast<int32_t*>(outputs[0]), static_cast<int32_t*>(outputs[1]),

@@ -19,6 +19,8 @@ public:
                             DimsExprs* out, int32_t nbOut, IExprBuilder& eb) noexcept override;
     bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbIn,
                                    int32_t nbOut) noexcept override;
+    int32_t configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbIn, DynamicPluginTensorDesc const* out,
+                            int32_t nbOut) noexcept override;
     size_t getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t nbIn, DynamicPluginTensorDesc const* out,
                             int32_t nbOut) const noexcept override;
     int32_t enqueue(PluginTensorDesc const* inDesc, PluginTensorDesc const* outDesc, void const* const* inputs,

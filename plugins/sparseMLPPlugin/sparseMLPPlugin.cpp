@@ -32,18 +32,20 @@ std::vector<PluginField>& SparseMLPPlugin::fieldNames() {
 }
 
 IPluginV3* SparseMLPPlugin::create(char const*, PluginFieldCollection const* fc) {
-    std::string act = "relu";
-    int32_t bs = 1, k = 0, n = 0;
+    std::string act;
+    int32_t bs = 0, k = 0, n = 0;
     if (!Fields::getString(fc, "activation", act) || !Fields::getInt(fc, "block_size", bs) ||
         !Fields::getInt(fc, "kept_units", k) || !Fields::getInt(fc, "num_neurons", n))
         return nullptr;
-    return new SparseMLPPlugin(act, bs, k, n);
+    auto p = std::make_unique<SparseMLPPlugin>(act, bs, k, n);
+    if (!p->readWorkspace(fc)) return nullptr;
+    return p.release();
 }
 
 IPluginV3* SparseMLPPlugin::clone() noexcept {
     try {
         auto* p = new SparseMLPPlugin(mActivation, mBlockSize, mKeptUnits, mNumNeurons);
-        p->mWorkspace = mWorkspace;
+        if (mWorkspaceBytes > 0) p->setWorkspace(mWorkspaceBytes);
         return p;
     } catch (...) {
         return nullptr;
@@ -72,6 +74,20 @@ bool SparseMLPPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTensor
     return linearIs(d, io[0].desc.type);  // weights, biases and y share x's type
 }
 
+int32_t SparseMLPPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbIn,
+                                         DynamicPluginTensorDesc const* out, int32_t nbOut) noexcept {
+    // x [B, d], idx [kept_units], rows [num_neurons, d] (biases [num_neurons] / [d]), y [B, d]
+    if (nbIn != nbInputs() || nbOut != 1 || in[0].desc.dims.nbDims != 2) return -1;
+    const int64_t d = in[0].max.d[1];
+    if (!dimsAre(in[1], {(int64_t)mKeptUnits}) || !dimsAre(out[0], {-1, d})) return -1;
+    const bool glu = mAct == DJV_SILU_GLU;
+    for (int32_t i : glu ? std::initializer_list<int32_t>{2, 3, 4} : std::initializer_list<int32_t>{2, 4})
+        if (!dimsAre(in[i], {mNumNeurons, d})) return -1;
+    if (!glu && (!dimsAre(in[3], {mNumNeurons}) || !dimsAre(in[5], {d}))) return -1;
+    setWorkspace((int64_t)getWorkspaceSize(in, nbIn, out, nbOut));
+    return 0;
+}
+
 size_t SparseMLPPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t, DynamicPluginTensorDesc const*,
                                          int32_t) const noexcept {
     const int32_t B = (int32_t)in[0].max.d[0], d = (int32_t)in[0].max.d[1];
@@ -81,7 +97,7 @@ size_t SparseMLPPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in, int3
 int32_t SparseMLPPlugin::enqueue(PluginTensorDesc const* in, PluginTensorDesc const*, void const* const* inputs,
                                  void* const* outputs, void* ws, cudaStream_t stream) noexcept {
     const int32_t B = (int32_t)in[0].dims.d[0], d = (int32_t)in[0].dims.d[1];
-    const size_t bytes = djv_sparse_mlp_workspace_size(B, d, mNumNeurons, mKeptUnits, mBlockSize, mAct);
+    const size_t bytes = workspaceFor(djv_sparse_mlp_workspace_size(B, d, mNumNeurons, mKeptUnits, mBlockSize, mAct));
     if (prepare(ws, bytes, stream)) return -1;
     const bool glu = mAct == DJV_SILU_GLU;
     // inputs: x, idx, (w_gate, w_up, w_down_t) | (w_up, b_up, w_down_t, b_down)

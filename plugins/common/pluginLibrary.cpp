@@ -1,16 +1,11 @@
-// Plugin registration: static registrars (REGISTER_TENSORRT_PLUGIN) for builds that link the library
-// into the application, and getCreators() for TensorRT 10's plugin-library loading
-// (IPluginRegistry::loadLibrary / trtexec --dynamicPlugins).
-#include "pluginCommon.h"
+// Plugin-library entry points, linked into libdejavu_trt_vc_plugins.so: TensorRT's own loading
+// (IPluginRegistry::loadLibrary, trtexec --dynamicPlugins, IBuilderConfig::setPluginsToSerialize) calls
+// getCreators() and registers what it returns, so this library registers nothing by itself.
 #include "headSparseAttentionPlugin.h"
 #include "lookaheadPredictorPlugin.h"
 #include "sparseMLPPlugin.h"
 
 using namespace dejavu_trt;
-
-REGISTER_TENSORRT_PLUGIN(SparseMLPPluginCreator);
-REGISTER_TENSORRT_PLUGIN(HeadSparseAttentionPluginCreator);
-REGISTER_TENSORRT_PLUGIN(LookaheadPredictorPluginCreator);
 
 extern "C" __attribute__((visibility("default"))) nvinfer1::IPluginCreatorInterface* const* getCreators(
     int32_t& nbCreators) {
@@ -21,3 +16,6 @@ extern "C" __attribute__((visibility("default"))) nvinfer1::IPluginCreatorInterf
     nbCreators = 3;
     return creators;
 }
+
+// The adapters log nothing (errors are return codes), so the logger finder is accepted and unused.
+extern "C" __attribute__((visibility("default"))) void setLoggerFinder(nvinfer1::ILoggerFinder*) {}
