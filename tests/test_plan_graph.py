@@ -68,8 +68,12 @@ def test_fp16_plan_graph_matches_the_float32_graph(family, exports):
 
 
 def test_bf16_plan_graph_is_typed_and_valid(exports):
-    typed = typed_plan_graph(onnx.load(str(exports.rewritten("llama", 0.5, 0.67))), "bf16", plugin_namespace="")
+    source = onnx.load(str(exports.rewritten("llama", 0.5, 0.67)))
+    before = source.SerializeToString()
+    typed = typed_plan_graph(source, "bf16", plugin_namespace="")
+    assert source.SerializeToString() == before          # a copy, unless in_place
     _check_typed(typed, TensorProto.BFLOAT16)
+    assert typed_plan_graph(source, "bf16", in_place=True) is source
     onnx.checker.check_model(typed, full_check=True)
     attrs = [a.s for n in typed.graph.node if n.domain == PLUGIN_NAMESPACE for a in n.attribute
              if a.name == "plugin_namespace"]

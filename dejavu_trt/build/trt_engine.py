@@ -60,7 +60,7 @@ def write_plan_graph(rewritten: Path, out: Path, dtype: str, plugin_namespace: s
     from ..export.stage import save_onnx
     from ..rewrite.plan_graph import typed_plan_graph
 
-    typed = typed_plan_graph(onnx.load(str(rewritten)), dtype, plugin_namespace=plugin_namespace)
+    typed = typed_plan_graph(onnx.load(str(rewritten)), dtype, plugin_namespace=plugin_namespace, in_place=True)
     n = sum(1 for node in typed.graph.node if node.domain == PLUGIN_NAMESPACE)
     with atomic_file(out) as tmp:
         tmp_onnx = tmp.with_suffix(".onnx")
