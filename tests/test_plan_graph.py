@@ -86,3 +86,17 @@ def test_plan_graph_refuses_a_dense_graph_and_a_bad_dtype(exports):
         typed_plan_graph(dense, "fp16")
     with pytest.raises(DejaVuError, match="must be one of fp16, bf16"):
         typed_plan_graph(dense, "fp32")
+
+
+def test_plan_graph_cli(exports, tmp_path, cli):
+    lm, dense, _ = exports["opt"]
+    out = tmp_path / "decode.plan.onnx"
+    code, stdout, err = cli("plan-graph", exports.rewritten("opt", 0.5, 0.67), "--out", out)
+    layers = lm.adapter.dims().num_layers
+    assert code == 0 and f"({3 * layers} plugin nodes, fp16)" in stdout, err
+    g = onnx.load(str(out)).graph
+    assert {i.name: i.type.tensor_type.elem_type for i in g.input}["past_value.0"] == TensorProto.FLOAT16
+    code, _, err = cli("plan-graph", dense, "--out", tmp_path / "x.onnx")
+    assert code == 2 and "no dejavu_trt plugin nodes" in err and not (tmp_path / "x.onnx").exists()
+    code, _, err = cli("plan-graph", tmp_path / "absent.onnx")
+    assert code == 2 and "does not exist" in err

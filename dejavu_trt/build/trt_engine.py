@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import onnx
-
 from ..artifacts import atomic_file
 from ..errors import DejaVuError
 from ..ops.contract import OP_CONTRACT_VERSION, OP_NAMES, PLUGIN_NAMESPACE
@@ -55,29 +53,12 @@ def plugin_layer_check(trt, expected: int):
     return check_plugin_layers
 
 
-def write_plan_graph(rewritten: Path, out: Path, dtype: str, plugin_namespace: str) -> int:
-    """Write the typed copy of `rewritten` to `out`; returns its number of plugin nodes."""
-    from ..export.stage import save_onnx
-    from ..rewrite.plan_graph import typed_plan_graph
-
-    typed = typed_plan_graph(onnx.load(str(rewritten)), dtype, plugin_namespace=plugin_namespace, in_place=True)
-    n = sum(1 for node in typed.graph.node if node.domain == PLUGIN_NAMESPACE)
-    with atomic_file(out) as tmp:
-        tmp_onnx = tmp.with_suffix(".onnx")
-        try:
-            save_onnx(typed, tmp_onnx, data_name=out.name)
-            tmp_onnx.replace(tmp)
-        finally:
-            tmp_onnx.unlink(missing_ok=True)
-    return n
-
-
 def build_plan(rewritten: Path, out: Path, *, dtype: str, library: Path, work: Path) -> Path:
     """Build and save the `.plan` (TensorRT and the plugin library must be present)."""
     import tensorrt as trt
     from polygraphy.backend.trt import (CreateConfig, EngineFromNetwork, LoadPlugins, NetworkFromOnnxPath,
                                         PostprocessNetwork, SaveEngine)
-    from ..rewrite.plan_graph import PLAN_GRAPH_FILE
+    from ..rewrite.plan_graph import PLAN_GRAPH_FILE, write_plan_graph
 
     LoadPlugins(plugins=[str(library)])()
     ns = registered_namespace(trt)

@@ -48,6 +48,23 @@ def rewrite_cmd(
     typer.echo(f"rewritten graph: {path}")
 
 
+@app.command("plan-graph")
+def plan_graph_cmd(
+    onnx_path: Path = typer.Argument(..., help="Rewritten graph written by `rewrite` (decode.sparse.onnx)."),
+    dtype: str = typer.Option("fp16", "--dtype", help="Build dtype of the plugins' weights and caches: fp16 or bf16."),
+    plugin_namespace: Optional[str] = typer.Option(None, "--plugin-namespace", help="Value of the nodes' "
+                                                   "plugin_namespace attribute (default: the contract's, dejavu_trt)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output file; default decode.plan.onnx next to the input."),
+) -> None:
+    """Write the graph a TensorRT plan is built from: plugin weights and KV caches in fp16/bf16, Casts at the
+    plugin boundaries (`build` does this itself when TensorRT is installed; use this to build elsewhere)."""
+    from ..rewrite.plan_graph import PLAN_GRAPH_FILE, write_plan_graph
+
+    out = out or onnx_path.with_name(PLAN_GRAPH_FILE)
+    n = write_plan_graph(onnx_path, out, dtype, plugin_namespace)
+    typer.echo(f"plan graph: {out} ({n} plugin nodes, {dtype})")
+
+
 @app.command("compare")
 def compare_cmd(
     a: str = typer.Argument(..., help="Reference: an ONNX decode graph, a TensorRT .plan (needs TensorRT), `torch` "

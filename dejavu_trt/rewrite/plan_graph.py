@@ -17,10 +17,13 @@ Integer inputs and outputs (the active-index tensors, `position`) are not touche
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..artifacts import atomic_file
 from ..errors import DejaVuError
 from ..ops.contract import PLUGIN_NAMESPACE
 
@@ -158,3 +161,21 @@ def _wrap_function(f: onnx.FunctionProto, ins: set[int], outs: set[int], to: int
         body.append(helper.make_node("Cast", [new], [old], to=to))
     del f.node[:]
     f.node.extend(body)
+
+
+def write_plan_graph(rewritten: Path, out: Path, dtype: str, plugin_namespace: str | None = None) -> int:
+    """Write the typed copy of the rewritten graph `rewritten` to `out` (atomically); returns its number of
+    plugin nodes."""
+    from ..export.stage import save_onnx
+    from .rewrite import load_onnx
+
+    typed = typed_plan_graph(load_onnx(rewritten), dtype, plugin_namespace=plugin_namespace, in_place=True)
+    n = sum(1 for node in typed.graph.node if node.domain == PLUGIN_NAMESPACE)
+    with atomic_file(out) as tmp:
+        tmp_onnx = tmp.with_suffix(".onnx")   # the checker and ONNX Runtime want an .onnx name
+        try:
+            save_onnx(typed, tmp_onnx, data_name=Path(out).name)
+            tmp_onnx.replace(tmp)
+        finally:
+            tmp_onnx.unlink(missing_ok=True)
+    return n
