@@ -213,6 +213,6 @@ def test_plan_build_wiring(exports, tmp_path, monkeypatch, namespace):
     def network(n_plugin):
         layers = [SimpleNamespace(type=trt.LayerType.PLUGIN_V3)] * n_plugin + [SimpleNamespace(type="matmul")] * 5
         return SimpleNamespace(num_layers=len(layers), get_layer=lambda i: layers[i])
-    check(network(len(nodes)))
+    check(network=network(len(nodes)))          # polygraphy's PostprocessNetwork calls func(network=...)
     with pytest.raises(DejaVuError, match=f"made {len(nodes) - 1} plugin layers of the graph's {len(nodes)}"):
-        check(network(len(nodes) - 1))
+        check(network=network(len(nodes) - 1))
